@@ -1,0 +1,25 @@
+# Two entry points on a fresh machine with only python3: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch first, pinned to a CPU-friendly release (override for CUDA: make demo TORCH_SPEC="torch==2.14.1").
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test install clean
+
+$(BIN)/orch: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(BIN)/orch
+
+install: $(BIN)/orch
+
+demo: install
+	$(BIN)/orch launch conf=cpu_gloo
+
+test: install
+	$(BIN)/pytest -q
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,88 @@
+"""Node agent processes on this machine: start, stream output, and kill whole process trees by PID.
+
+torchrun starts its workers in their own sessions, so killing a simulated node means killing the agent
+and every descendant, found through the process table (psutil), never by name.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Callable, Optional, TextIO
+
+import psutil
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """``pid`` and all its descendants (empty if it is gone)."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> list[int]:
+    """Send ``sig`` to ``pid`` and every descendant; returns the PIDs signalled."""
+    procs = process_tree(pid)
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+    return [p.pid for p in procs]
+
+
+def terminate_tree(pid: int, grace_s: float = 10.0) -> None:
+    """SIGTERM the tree, then SIGKILL whatever is still alive after ``grace_s``."""
+    procs = process_tree(pid)
+    kill_tree(pid, signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+class NodeProcess:
+    """One torchrun agent: output goes, line by line, to ``log_path`` and to ``echo`` with a node prefix."""
+
+    def __init__(self, node: int, argv: tuple[str, ...], env: dict[str, str], log_path: Path,
+                 echo: Optional[TextIO] = sys.stdout, on_line: Optional[Callable[[int, str], None]] = None):
+        self.node, self.log_path = node, log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            list(argv), env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True, text=True, bufsize=1,
+        )
+        self._pump = threading.Thread(target=self._stream, args=(echo, on_line), daemon=True)
+        self._pump.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _stream(self, echo: Optional[TextIO], on_line) -> None:
+        prefix = f"[node{self.node}] "
+        with self.log_path.open("a") as log:
+            for line in self.proc.stdout:
+                log.write(line)
+                log.flush()
+                if echo is not None:
+                    echo.write(prefix + line)
+                    echo.flush()
+                if on_line is not None:
+                    on_line(self.node, line)
+
+    def poll(self) -> Optional[int]:
+        return self.proc.poll()
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        rc = self.proc.wait(timeout)
+        self._pump.join(timeout=5)
+        return rc

@@ -1,0 +1,103 @@
+"""The ``orch`` command line. Each subcommand parses its arguments and calls one library function.
+
+Errors derived from OrchError print as one line on stderr and exit with their code (2: bad input,
+1: a failed run); anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable, Optional
+
+from orchestrator.errors import OrchError, UserError
+
+
+def _launch_epilog() -> str:
+    from orchestrator.config.compose import list_groups, list_presets
+
+    groups = "\n".join(f"  {name:<11} {', '.join(options)}" for name, options in list_groups().items())
+    return (f"presets (conf=NAME):\n  {', '.join(list_presets())}\n\n"
+            f"config groups (GROUP=OPTION) and their built-in options:\n{groups}\n\n"
+            "other keys: backend.*, ddp.*, amp.*, checkpoint.*, cluster.*, rendezvous.*, trainer.*, data.*,\n"
+            "  entrypoint.*, launcher, run.dir  (see docs/configuration.md)\n\n"
+            "examples:\n  orch launch conf=cpu_gloo\n  orch launch conf=cpu_gloo cluster.nnodes=1:2 trainer.max_steps=100\n"
+            "  orch launch conf=bert8gpu --dry-run")
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from orchestrator.config.compose import compose_config
+    from orchestrator.launch import launch
+
+    preset, overrides = split_preset(args.overrides)
+    cfg = compose_config(preset, overrides)
+    summary = launch(cfg, dry_run=args.dry_run)
+    if not args.dry_run:
+        print(format_summary(summary, cfg.run.dir))
+    return 0
+
+
+def split_preset(tokens: list[str]) -> tuple[str, list[str]]:
+    """``conf=NAME`` picks the preset; every other token is a Hydra override, passed through untouched."""
+    presets = [t.split("=", 1)[1] for t in tokens if t.startswith("conf=")]
+    if len(presets) != 1:
+        from orchestrator.config.compose import list_presets
+
+        raise UserError(f"conf={'|'.join(presets) or '(missing)'}: give exactly one conf=NAME. "
+                        f"Fix: orch launch conf=NAME with NAME one of {', '.join(list_presets())}")
+    return presets[0], [t for t in tokens if not t.startswith("conf=")]
+
+
+def format_summary(summary: dict, run_dir: str) -> str:
+    loss = summary.get("final_loss")
+    first = summary.get("first_loss")
+    parts = [f"run {summary['status']}: {summary['steps_completed']} steps",
+             f"loss {first:.4f} -> {loss:.4f}" if loss is not None and first is not None else "",
+             f"world size {'->'.join(map(str, summary['world_size_history']))}" if summary["world_size_history"] else "",
+             f"{summary['samples_per_s']:.1f} samples/s" if summary.get("samples_per_s") else "",
+             f"{summary['wall_s']:.1f} s" if summary.get("wall_s") else ""]
+    return ", ".join(p for p in parts if p) + f"\nrun dir: {run_dir}"
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from orchestrator.doctor import main_doctor
+
+    return main_doctor(json_out=args.json)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="orch", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Elastic distributed training for PyTorch: Hydra configs -> torchrun agents -> checkpoints.",
+        epilog=_launch_epilog())
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("launch", help="compose a preset with overrides and run it (or --dry-run)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_launch_epilog(),
+                       usage="orch launch conf=NAME [key=value ...] [--dry-run]")
+    p.add_argument("overrides", nargs="*", metavar="conf=NAME | key=value",
+                   help="the preset, then Hydra overrides (key=value, +key=value, ~key)")
+    p.add_argument("--dry-run", action="store_true", help="print the launch plan and start nothing")
+    p.set_defaults(func=cmd_launch)
+
+    p = sub.add_parser("doctor", help="check torch, CUDA/NCCL/gloo, shared memory, Ray and free ports")
+    p.add_argument("--json", action="store_true", help="print the checks as JSON")
+    p.set_defaults(func=cmd_doctor)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except OrchError as exc:
+        print(f"orch: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("orch: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

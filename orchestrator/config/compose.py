@@ -1,0 +1,111 @@
+"""Compose a preset plus overrides into a validated :class:`OrchConfig`, once, where the config enters.
+
+Hydra does the composing (defaults lists, groups, ``+key``/``~key`` overrides, interpolation); this module
+only registers the schema, translates Hydra's exceptions into one-line :class:`ConfigError` messages, and
+runs validation by converting to dataclasses with ``OmegaConf.to_object`` (so ``__post_init__`` runs).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Sequence
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from orchestrator.config.schema import OrchConfig
+from orchestrator.config.validate import validate_config
+from orchestrator.errors import ConfigError, UserError
+
+SCHEMA_NAME = "orch_schema"
+ConfigStore.instance().store(name=SCHEMA_NAME, node=OrchConfig)
+
+
+def conf_dir() -> Path:
+    """The presets directory: ``$ORCH_CONF_DIR`` if set, else the repository's ``conf/``."""
+    return Path(os.environ.get("ORCH_CONF_DIR") or Path(__file__).resolve().parents[2] / "conf")
+
+
+def list_presets() -> list[str]:
+    """Names usable as ``conf=NAME``: the top-level YAML files of the conf dir."""
+    return sorted(p.stem for p in conf_dir().glob("*.yaml"))
+
+
+def list_groups() -> dict[str, list[str]]:
+    """Config groups with their built-in options, e.g. ``{"backend": ["gloo", "nccl"], ...}``."""
+    return {
+        d.name: sorted(p.stem for p in d.glob("*.yaml"))
+        for d in sorted(conf_dir().iterdir())
+        if d.is_dir() and not d.name.startswith((".", "_"))
+    }
+
+
+def compose_dictconfig(preset: str, overrides: Sequence[str] = ()) -> DictConfig:
+    """Run Hydra's compose for ``preset`` with ``overrides``; raise ConfigError on anything Hydra rejects."""
+    if preset not in list_presets():
+        raise ConfigError("conf", preset, f"use one of {', '.join(list_presets())}", "is not a known preset")
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            return compose(config_name=preset, overrides=list(overrides))
+    except (ConfigCompositionException, MissingConfigException, OmegaConfBaseException) as exc:
+        raise _translate(exc, overrides) from None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def compose_config(preset: str, overrides: Sequence[str] = ()) -> OrchConfig:
+    """Compose and validate: the one place a launch's configuration is checked."""
+    return to_validated(compose_dictconfig(preset, overrides))
+
+
+def to_validated(cfg: DictConfig) -> OrchConfig:
+    """Convert a composed DictConfig to dataclasses (running every ``__post_init__``) and cross-check it."""
+    try:
+        config = OmegaConf.to_object(cfg)
+    except ConfigError:
+        raise
+    except OmegaConfBaseException as exc:
+        raise _translate(exc, ()) from None
+    validate_config(config)
+    return config
+
+
+def load_run_config(path: str) -> OrchConfig:
+    """Load a run dir's resolved ``config.yaml`` (as workers do) back onto the schema, validated."""
+    schema = OmegaConf.structured(OrchConfig)
+    try:
+        merged = OmegaConf.merge(schema, OmegaConf.load(path))
+    except OmegaConfBaseException as exc:
+        raise _translate(exc, ()) from None
+    return to_validated(merged)
+
+
+def _translate(exc: Exception, overrides: Sequence[str]) -> UserError:
+    """Turn Hydra/OmegaConf's multi-line errors into one line naming the key, the value and the fix."""
+    text = f"{exc} {getattr(exc, '__cause__', '') or ''}"
+    key_match = re.search(r"[Cc]ould not (?:override|append to|delete from config)\s*'?([\w.]+)'?", text) or re.search(
+        r"full_key: ([\w.\[\]]+)", text
+    )
+    key = key_match.group(1) if key_match else None
+    value = next((o.split("=", 1)[1] for o in overrides if key and o.lstrip("+~").split("=")[0] == key and "=" in o), None)
+    if "not in struct" in text or "Key '" in text and "not found" in text:
+        return ConfigError(key or "?", value, f"check the spelling (see `orch launch --help`), or add a new key with +{key}=...",
+                           "is not a known key")
+    if isinstance(exc, MissingConfigException) or "Could not find" in text:
+        option = re.search(r"'([^']+)'", text)
+        return UserError(f"config option {option.group(1) if option else '?'} not found: {text.splitlines()[0]}. "
+                         "Fix: see `orch launch --help` for the groups and their options")
+    if "Value '" in text and ("could not be converted" in text or "is not a valid" in text):
+        return ConfigError(key or "?", value, "give a value of the key's type (see docs/configuration.md)",
+                           "has the wrong type")
+    if "Missing mandatory value" in text:
+        return ConfigError(key or "?", "???", "set it in the preset or as an override", "is required but missing")
+    first = next((ln for ln in str(exc).splitlines() if ln.strip()), str(exc))
+    return UserError(f"invalid configuration: {first}. Fix: check the overrides against `orch launch --help`")

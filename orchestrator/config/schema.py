@@ -1,0 +1,284 @@
+"""Typed configuration: one small dataclass per Hydra group, validated in ``__post_init__``.
+
+Hydra composes YAML from ``conf/`` onto these schemas (registered in the ConfigStore by ``store.py``);
+``compose.py`` converts the result with ``OmegaConf.to_object`` so that every ``__post_init__`` below runs
+exactly once, where the config is composed. Checks that span groups live in ``validate.py``.
+
+``model``, ``data.dataset``, ``optim`` and ``scheduler`` are ``_target_``-instantiable nodes (see
+``hydra.utils.instantiate``): built-in options are in ``conf/<group>/``, and any importable class works.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+from orchestrator.errors import ConfigError
+
+BACKENDS = ("nccl", "gloo")
+DEVICES = ("cpu", "cuda")
+AMP_DTYPES = ("bf16", "fp16")
+LAUNCHERS = ("local", "ray")
+RESUME_MODES = ("auto", "never")
+
+
+def _require(key: str, value: Any, ok: bool, fix: str, problem: str = "is invalid") -> None:
+    if not ok:
+        raise ConfigError(key, value, fix, problem)
+
+
+def _one_of(key: str, value: Any, choices: tuple) -> None:
+    _require(key, value, value in choices, f"use one of {', '.join(choices)}", "is not a known choice")
+
+
+@dataclass
+class BackendConfig:
+    """The torch.distributed process-group backend."""
+
+    name: str = "gloo"
+    """``nccl`` (CUDA GPUs) or ``gloo`` (CPU, or GPUs without NCCL)."""
+    timeout_s: float = 1800.0
+    """Process-group timeout: how long a collective may wait for a peer before failing."""
+
+    def __post_init__(self) -> None:
+        _one_of("backend.name", self.name, BACKENDS)
+        _require("backend.timeout_s", self.timeout_s, self.timeout_s > 0, "use a positive number of seconds")
+
+
+@dataclass
+class DDPConfig:
+    """Flags passed verbatim to ``torch.nn.parallel.DistributedDataParallel``."""
+
+    static_graph: bool = False
+    """The set of used parameters never changes between steps (lets DDP skip per-step graph analysis)."""
+    find_unused_parameters: bool = False
+    """Search the autograd graph for parameters that got no gradient (needed for models with unused branches)."""
+    gradient_as_bucket_view: bool = True
+    """Gradients alias the all-reduce buckets: saves one copy of the gradients in memory."""
+    bucket_cap_mb: float = 25.0
+    """Size of each gradient all-reduce bucket."""
+    broadcast_buffers: bool = True
+    """Broadcast module buffers (e.g. BatchNorm statistics) from rank 0 at every forward."""
+
+    def __post_init__(self) -> None:
+        _require("ddp.bucket_cap_mb", self.bucket_cap_mb, self.bucket_cap_mb > 0, "use a positive size in MB")
+
+
+@dataclass
+class AMPConfig:
+    """Automatic mixed precision."""
+
+    enabled: bool = False
+    """Run forward and loss under ``torch.autocast``."""
+    dtype: str = "bf16"
+    """``bf16`` (CPU and CUDA) or ``fp16`` (with a GradScaler against underflow)."""
+
+    def __post_init__(self) -> None:
+        _one_of("amp.dtype", self.dtype, AMP_DTYPES)
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints through fsspec: any URL fsspec understands (path, file://, s3://, gs://, memory://)."""
+
+    url: Optional[str] = None
+    """Where checkpoints go; ``null`` means ``<run.dir>/checkpoints``."""
+    every_n_steps: int = 0
+    """Save every N optimizer steps; 0 saves only at the end of the run."""
+    keep_last: int = 3
+    """How many checkpoints to keep; older ones are deleted after a newer one is committed."""
+    async_save: bool = True
+    """Write in the background after copying state to CPU memory (``false``: the loop waits for the write)."""
+    resume: str = "auto"
+    """``auto`` (newest valid checkpoint, if any), ``never``, or a step number."""
+
+    def __post_init__(self) -> None:
+        _require("checkpoint.every_n_steps", self.every_n_steps, self.every_n_steps >= 0, "use 0 or more")
+        _require("checkpoint.keep_last", self.keep_last, self.keep_last >= 1, "keep at least 1 checkpoint")
+        self.resume = str(self.resume)
+        _require(
+            "checkpoint.resume", self.resume, self.resume in RESUME_MODES or self.resume.isdigit(),
+            "use auto, never, or a step number",
+        )
+
+
+@dataclass
+class ClusterConfig:
+    """The shape of the job: how many nodes, how many processes on each, on which device."""
+
+    nnodes: str = "1"
+    """``N`` for a fixed size, or ``MIN:MAX`` for an elastic job that survives losing nodes down to MIN."""
+    nproc_per_node: int = 1
+    """Worker processes per node (one per GPU on CUDA)."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda``."""
+    max_restarts: int = 3
+    """How many times torchrun may restart a node's workers after a failure or a membership change."""
+    address: Optional[str] = None
+    """Ray cluster to join (``auto``, ``HOST:PORT`` or ``ray://...``); ``null`` starts an embedded local Ray."""
+
+    def __post_init__(self) -> None:
+        self.nnodes = str(self.nnodes)
+        fix = "use N or MIN:MAX with 1 <= MIN <= MAX, e.g. cluster.nnodes=2 or cluster.nnodes=1:3"
+        parts = self.nnodes.split(":")
+        _require("cluster.nnodes", self.nnodes, len(parts) in (1, 2) and all(p.strip().isdigit() for p in parts), fix)
+        _require("cluster.nnodes", self.nnodes, self.min_nodes >= 1, fix, "needs at least 1 node")
+        _require("cluster.nnodes", self.nnodes, self.min_nodes <= self.max_nodes, fix, "has MIN greater than MAX")
+        _require("cluster.nproc_per_node", self.nproc_per_node, self.nproc_per_node >= 1,
+                 "use 1 or more processes per node")
+        _one_of("cluster.device", self.device, DEVICES)
+        _require("cluster.max_restarts", self.max_restarts, self.max_restarts >= 0, "use 0 or more")
+
+    @property
+    def min_nodes(self) -> int:
+        return int(self.nnodes.split(":")[0])
+
+    @property
+    def max_nodes(self) -> int:
+        return int(self.nnodes.split(":")[-1])
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes != self.max_nodes
+
+
+@dataclass
+class RendezvousConfig:
+    """c10d rendezvous timeouts (whole seconds, as torchrun's ``--rdzv-conf`` takes them). The defaults are
+    tuned for recovery in seconds, where torchrun's own take ~44 s to notice a lost node and resume."""
+
+    join_timeout_s: int = 120
+    """How long an agent waits for the rendezvous to reach MIN nodes before giving up."""
+    last_call_timeout_s: int = 1
+    """After MIN nodes joined, how long to wait for more before closing the round."""
+    keep_alive_interval_s: int = 1
+    """How often each agent proves it is alive to the store."""
+    keep_alive_max_attempt: int = 2
+    """Missed keep-alives after which a node is declared dead (detection takes interval x attempts)."""
+    host: str = "127.0.0.1"
+    """Address the rendezvous store listens on and agents connect to."""
+    port: int = 0
+    """Store port; 0 picks a free port at launch."""
+
+    def __post_init__(self) -> None:
+        for key in ("join_timeout_s", "last_call_timeout_s", "keep_alive_interval_s"):
+            value = getattr(self, key)
+            _require(f"rendezvous.{key}", value, value > 0, "use a positive number of seconds")
+        _require("rendezvous.keep_alive_max_attempt", self.keep_alive_max_attempt, self.keep_alive_max_attempt >= 1,
+                 "use 1 or more")
+        _require("rendezvous.port", self.port, 0 <= self.port < 65536, "use 0 (auto) or a TCP port")
+
+
+@dataclass
+class DataConfig:
+    """The dataset (``_target_``-instantiable) and the DataLoader settings users tune."""
+
+    dataset: Any = MISSING
+    """An instantiable node: ``_target_`` plus keyword arguments (see conf/data/)."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0 loads in the training process)."""
+    pin_memory: bool = False
+    """Page-locked host memory for faster host-to-GPU copies (CUDA only)."""
+    persistent_workers: bool = False
+    """Keep DataLoader workers alive between epochs (needs num_workers > 0)."""
+    prefetch_factor: Optional[int] = None
+    """Batches each DataLoader worker loads ahead (needs num_workers > 0)."""
+    drop_last: bool = True
+    """Drop the last incomplete global batch of an epoch, so every step sees a full global batch."""
+
+    def __post_init__(self) -> None:
+        _require("data.num_workers", self.num_workers, self.num_workers >= 0, "use 0 or more")
+        if self.num_workers == 0:
+            _require("data.persistent_workers", self.persistent_workers, not self.persistent_workers,
+                     "set data.num_workers > 0 or data.persistent_workers=false")
+            _require("data.prefetch_factor", self.prefetch_factor, self.prefetch_factor is None,
+                     "set data.num_workers > 0 or data.prefetch_factor=null")
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop."""
+
+    max_steps: int = 100
+    """Optimizer steps to train for."""
+    global_batch_size: int = 8
+    """Samples per optimizer step across all ranks; kept constant when the world size changes."""
+    micro_batch_size: int = 4
+    """Samples per forward/backward on one rank; accumulation steps = global / (micro x world)."""
+    grad_clip_norm: Optional[float] = 1.0
+    """Clip the global gradient norm to this value; ``null`` disables clipping."""
+    seed: int = 0
+    """Seeds model init, data order and every RNG, so runs are reproducible bit for bit on CPU."""
+    log_every: int = 1
+    """Write a metrics.jsonl line every N steps."""
+    compile: bool = False
+    """Wrap the model in ``torch.compile``."""
+    compile_mode: Optional[str] = None
+    """``torch.compile`` mode (``default``, ``reduce-overhead``, ``max-autotune``)."""
+    detect_anomaly: bool = False
+    """``torch.autograd.set_detect_anomaly`` (slow; for debugging NaNs)."""
+    record_sample_ids: bool = False
+    """Each rank logs the sample ids of every step to ``<run.dir>/samples/rank<R>.jsonl`` (data audits)."""
+
+    def __post_init__(self) -> None:
+        for key in ("max_steps", "global_batch_size", "micro_batch_size", "log_every"):
+            value = getattr(self, key)
+            _require(f"trainer.{key}", value, value >= 1, "use 1 or more")
+        if self.grad_clip_norm is not None:
+            _require("trainer.grad_clip_norm", self.grad_clip_norm, self.grad_clip_norm > 0, "use a positive norm or null")
+
+
+@dataclass
+class EntrypointConfig:
+    """What each worker runs. Neither script nor module: orch's built-in trainer."""
+
+    script: Optional[str] = None
+    """A torchrun-compatible Python script (gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...)."""
+    module: Optional[str] = None
+    """A torchrun-compatible module, run like ``python -m``."""
+    args: list = field(default_factory=list)
+    """Arguments passed to the script or module."""
+
+    def __post_init__(self) -> None:
+        _require("entrypoint.module", self.module, not (self.script and self.module),
+                 "set only one of entrypoint.script and entrypoint.module")
+
+    @property
+    def builtin(self) -> bool:
+        return not (self.script or self.module)
+
+
+@dataclass
+class RunConfig:
+    """Where a run writes everything it did."""
+
+    dir: Optional[str] = None
+    """The run dir; ``null`` means ``runs/<preset>/<timestamp>/``."""
+
+
+@dataclass
+class OrchConfig:
+    """The whole configuration of one launch, as composed from a preset and overrides."""
+
+    preset: str = MISSING
+    """The preset's name (set by the preset YAML)."""
+    launcher: str = "local"
+    """``local`` (simulated nodes on this machine, or inside a pod) or ``ray``."""
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    amp: AMPConfig = field(default_factory=AMPConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
+    model: Any = MISSING
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: Any = MISSING
+    scheduler: Any = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    entrypoint: EntrypointConfig = field(default_factory=EntrypointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        _one_of("launcher", self.launcher, LAUNCHERS)

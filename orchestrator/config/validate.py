@@ -1,0 +1,91 @@
+"""Checks that span config groups, run once after the per-group ``__post_init__`` checks."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import importlib
+
+from orchestrator.config.schema import OrchConfig
+from orchestrator.errors import ConfigError
+
+# Arguments the runtime supplies itself when instantiating; they must not be required in config.
+RUNTIME_ARGS = {"optim": ("params",), "scheduler": ("optimizer",), "data.dataset": (), "model": ()}
+
+
+def validate_config(cfg: OrchConfig) -> None:
+    """Raise ConfigError for the first cross-group inconsistency in ``cfg``."""
+    if cfg.backend.name == "nccl" and cfg.cluster.device != "cuda":
+        raise ConfigError("backend.name", "nccl", "use backend=gloo for cluster.device=cpu, or cluster.device=cuda",
+                          f"needs CUDA devices but cluster.device is {cfg.cluster.device!r}")
+    _check_batch_divides(cfg)
+    for key, supplied in RUNTIME_ARGS.items():
+        node = cfg.data.dataset if key == "data.dataset" else getattr(cfg, key)
+        check_instantiable(key, node, supplied)
+
+
+def _check_batch_divides(cfg: OrchConfig) -> None:
+    """global = micro x world x accumulation must hold at every world size the elastic range allows."""
+    t, c = cfg.trainer, cfg.cluster
+    for nodes in range(c.min_nodes, c.max_nodes + 1):
+        world = nodes * c.nproc_per_node
+        if t.global_batch_size % (t.micro_batch_size * world):
+            raise ConfigError(
+                "trainer.global_batch_size", t.global_batch_size,
+                f"use a multiple of micro_batch_size x world = {t.micro_batch_size} x {world} at {nodes} node(s) "
+                f"(e.g. {_lcm_batch(cfg)}), or change trainer.micro_batch_size",
+                f"is not divisible by micro_batch_size x world size ({t.micro_batch_size} x {world})",
+            )
+
+
+def _lcm_batch(cfg: OrchConfig) -> int:
+    from math import lcm
+
+    c = cfg.cluster
+    return lcm(*(cfg.trainer.micro_batch_size * n * c.nproc_per_node for n in range(c.min_nodes, c.max_nodes + 1)))
+
+
+def check_instantiable(key: str, node: Any, supplied: tuple = ()) -> None:
+    """``node`` has an importable ``_target_`` whose signature accepts its keys (plus ``supplied`` ones)."""
+    if not isinstance(node, dict) or "_target_" not in node:
+        raise ConfigError(key, node, f"give {key} a _target_ (see conf/{key.split('.')[0]}/ for built-ins)",
+                          "is not instantiable")
+    target = node["_target_"]
+    try:
+        obj = locate(target)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"{key}._target_", target, "give an importable dotted path (module.Class)",
+                          f"cannot be imported ({type(exc).__name__})") from None
+    kwargs = {k: v for k, v in node.items() if not k.startswith("_")}
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return  # builtins without a signature: instantiate will tell
+    params = signature.parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(set(kwargs) - set(params))
+        if unknown:
+            raise ConfigError(f"{key}.{unknown[0]}", kwargs[unknown[0]],
+                              f"{target} accepts: {', '.join(p for p in params if p not in supplied)}",
+                              "is not an argument of the target")
+    missing = [n for n, p in params.items() if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               and n not in kwargs and n not in supplied]
+    if missing:
+        raise ConfigError(f"{key}.{missing[0]}", None, f"set it with +{key}.{missing[0]}=...", "is required by the target")
+
+
+def locate(path: str) -> Any:
+    """Import ``a.b.C`` (the longest importable module prefix, then attributes), like Hydra's ``_target_``."""
+    parts = str(path).split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError as exc:
+            if exc.name and not ".".join(parts[:cut]).startswith(exc.name):
+                raise  # the module exists but one of its own imports is missing
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(f"no module in {path!r}")

@@ -1,0 +1,39 @@
+"""One error hierarchy for orch.
+
+Every error a user can cause or meet derives from :class:`OrchError`. The CLI prints ``str(error)`` as one
+line and exits with ``error.exit_code``: 2 for bad input (config, environment), 1 for a run that failed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class OrchError(Exception):
+    """Base of every error orch raises on purpose. ``exit_code`` is what the CLI exits with."""
+
+    exit_code = 1
+
+
+class UserError(OrchError):
+    """Bad input from the user: exit 2, nothing started, nothing half-written."""
+
+    exit_code = 2
+
+
+class ConfigError(UserError):
+    """A config key holds a value orch cannot use. The message names the key, the value and the fix."""
+
+    def __init__(self, key: str, value: Any, fix: str, problem: str = "is invalid"):
+        self.key, self.value, self.fix = key, value, fix
+        super().__init__(f"{key}={value!r} {problem}. Fix: {fix}")
+
+
+class EnvironmentMismatch(UserError):
+    """The machine cannot run what the config asks for (no CUDA, too few GPUs, unreachable cluster)."""
+
+
+class RunFailed(OrchError):
+    """A launched run ended in failure; the message names the root-cause rank and its error."""
+
+    exit_code = 1

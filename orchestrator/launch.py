@@ -1,0 +1,68 @@
+"""``orch launch``: composed config -> run dir -> plan -> launcher -> summary.
+
+Nothing is written before every check has passed: a bad config or a machine that cannot run the plan
+exits 2 with no run dir left behind.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Optional, TextIO
+
+from omegaconf import OmegaConf
+
+from orchestrator.config.schema import OrchConfig
+from orchestrator.errors import RunFailed
+from orchestrator.plan.plan import CONFIG_FILE, build_plan
+from orchestrator.plan.resources import check_local_resources
+from orchestrator.report.summary import write_summary
+
+
+def resolve_run_dir(cfg: OrchConfig) -> str:
+    """``run.dir`` if set, else ``runs/<preset>/<timestamp>``; returned absolute, as workers need it."""
+    path = cfg.run.dir or f"runs/{cfg.preset}/{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    return str(Path(path).resolve())
+
+
+def new_run_id(cfg: OrchConfig) -> str:
+    return f"{cfg.preset}-{time.strftime('%Y%m%d%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def write_config(cfg: OrchConfig, run_dir: str) -> None:
+    """The resolved config every worker loads; the run dir's record of exactly what ran."""
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / CONFIG_FILE).write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+
+
+def launch(cfg: OrchConfig, dry_run: bool = False, echo: Optional[TextIO] = sys.stdout) -> dict:
+    """Run ``cfg`` (or print its plan when ``dry_run``); returns the summary. Raises RunFailed on failure."""
+    cfg.run.dir = resolve_run_dir(cfg)
+    run_id = new_run_id(cfg)
+    plan = build_plan(cfg, cfg.run.dir, run_id)
+    if dry_run:
+        print(plan.format_text(), file=echo or sys.stdout)
+        return {"status": "dry-run", "plan": plan}
+    check_local_resources(plan)
+    write_config(cfg, cfg.run.dir)
+    status = _launcher(cfg, run_id, echo).run()
+    summary = write_summary(cfg.run.dir)
+    if status != "succeeded":
+        cause = summary.get("root_cause") or {}
+        who = f"rank {cause['rank']} (node {cause.get('node')})" if cause.get("rank") is not None else (
+            f"node {cause.get('node')}" if cause else "unknown")
+        raise RunFailed(f"run {status}: root cause {who}: {cause.get('error', 'no error recorded')} "
+                        f"(run dir: {cfg.run.dir})")
+    return summary
+
+
+def _launcher(cfg: OrchConfig, run_id: str, echo: Optional[TextIO]):
+    from launchers.local import LocalLauncher
+
+    if cfg.launcher == "local":
+        return LocalLauncher(cfg, cfg.run.dir, run_id, echo=echo)
+    from launchers.ray import RayLauncher  # imported lazily: Ray takes seconds to import
+
+    return RayLauncher(cfg, cfg.run.dir, run_id, echo=echo)

@@ -1,0 +1,153 @@
+"""The launch plan: what will run where, frozen and printable. Planning is pure: no processes, no network.
+
+The same plan feeds every launcher and ``orch launch --dry-run``: per node, the exact torchrun command line
+and the environment added to it, the rendezvous endpoint, and the settings that shape the job.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from orchestrator.config.schema import OrchConfig
+
+CONFIG_FILE = "config.yaml"
+PLAN_FILE = "plan.json"
+PORT_PLACEHOLDER = "<port chosen at launch>"
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """One simulated or real node: a torchrun agent command line and the environment added to it."""
+
+    node: int
+    argv: tuple[str, ...]
+    env: dict[str, str]
+
+    def command_line(self) -> str:
+        return shlex.join(self.argv)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything a launcher needs to start a run, derived from the config alone."""
+
+    preset: str
+    run_id: str
+    run_dir: str
+    launcher: str
+    backend: str
+    device: str
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    rendezvous_endpoint: str
+    rendezvous_conf: str
+    entrypoint: tuple[str, ...]
+    settings: dict[str, Any]
+    nodes: tuple[NodePlan, ...]
+
+    @property
+    def world_size_range(self) -> tuple[int, int]:
+        return self.min_nodes * self.nproc_per_node, self.max_nodes * self.nproc_per_node
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "world_size_range": list(self.world_size_range)}, indent=2)
+
+    def format_text(self) -> str:
+        lo, hi = self.world_size_range
+        lines = [
+            f"launch plan for preset {self.preset!r} (run id {self.run_id})",
+            f"  run dir:      {self.run_dir}",
+            f"  launcher:     {self.launcher}",
+            f"  backend:      {self.backend} on {self.device}",
+            f"  nodes:        {self.min_nodes}" + (f"..{self.max_nodes} (elastic)" if hi != lo else "")
+            + f" x {self.nproc_per_node} process(es) per node",
+            f"  world size:   {lo}" + (f"..{hi}" if hi != lo else ""),
+            f"  rendezvous:   c10d at {self.rendezvous_endpoint} (store hosted by the launcher, is_host=false)",
+            f"                {self.rendezvous_conf}",
+        ]
+        for group, values in self.settings.items():
+            lines.append(f"  {group + ':':<13} " + ", ".join(f"{k}={v}" for k, v in values.items()))
+        for node in self.nodes:
+            lines.append(f"  node {node.node}:")
+            lines.append(f"    env: {' '.join(f'{k}={shlex.quote(v)}' for k, v in sorted(node.env.items()))}")
+            lines.append(f"    cmd: {node.command_line()}")
+        return "\n".join(lines)
+
+
+def rendezvous_conf(cfg: OrchConfig) -> str:
+    """torchrun's ``--rdzv-conf``: the store lives elsewhere (is_host=false), timeouts from config."""
+    r = cfg.rendezvous
+    return (f"is_host=false,join_timeout={r.join_timeout_s},last_call_timeout={r.last_call_timeout_s},"
+            f"keep_alive_interval={r.keep_alive_interval_s},keep_alive_max_attempt={r.keep_alive_max_attempt}")
+
+
+def entrypoint_argv(cfg: OrchConfig, run_dir: str) -> tuple[str, ...]:
+    """What torchrun runs on every rank: the built-in trainer, or the user's script or module."""
+    e = cfg.entrypoint
+    if e.script:
+        return (e.script, *map(str, e.args))
+    if e.module:
+        return ("-m", e.module, *map(str, e.args))
+    return ("-m", "orchestrator.runtime.train", "--config", f"{run_dir}/{CONFIG_FILE}")
+
+
+def torchrun_argv(cfg: OrchConfig, node: int, run_id: str, endpoint: str, run_dir: str,
+                  python: str) -> tuple[str, ...]:
+    c = cfg.cluster
+    # The role names the node, so torchrun's --tee prefixes each worker line with node and local rank
+    # ("[node1-local0]:"); per-rank, per-attempt log files go under the run dir's logs/.
+    return (
+        python, "-m", "torch.distributed.run",
+        f"--nnodes={c.min_nodes}:{c.max_nodes}",
+        f"--nproc-per-node={c.nproc_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={run_id}",
+        f"--rdzv-conf={rendezvous_conf(cfg)}",
+        f"--max-restarts={c.max_restarts}",
+        "--monitor-interval=0.5",
+        f"--role=node{node}-local",
+        "--tee=3",
+        f"--log-dir={run_dir}/logs/torchrun/node{node}",
+        *entrypoint_argv(cfg, run_dir),
+    )
+
+
+def node_env(cfg: OrchConfig, node: int, run_dir: str, run_id: str) -> dict[str, str]:
+    env = {"ORCH_RUN_DIR": run_dir, "ORCH_RUN_ID": run_id, "ORCH_NODE": str(node), "PYTHONUNBUFFERED": "1"}
+    if cfg.cluster.device == "cpu":
+        # One intra-op thread per worker: simulated nodes share this machine's cores.
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def build_plan(cfg: OrchConfig, run_dir: str, run_id: str, store_port: Optional[int] = None,
+               python: str = sys.executable) -> LaunchPlan:
+    """The plan for ``cfg``. ``store_port`` is known once the launcher hosts the store; a dry run has none."""
+    port = store_port or cfg.rendezvous.port or PORT_PLACEHOLDER
+    endpoint = f"{cfg.rendezvous.host}:{port}"
+    nodes = tuple(NodePlan(node=i, argv=torchrun_argv(cfg, i, run_id, endpoint, run_dir, python),
+                           env=node_env(cfg, i, run_dir, run_id))
+                  for i in range(cfg.cluster.max_nodes))
+    ckpt = cfg.checkpoint
+    settings = {
+        "ddp": asdict(cfg.ddp),
+        "amp": {"enabled": cfg.amp.enabled, "dtype": cfg.amp.dtype if cfg.amp.enabled else "fp32",
+                "grad_scaler": cfg.amp.enabled and cfg.amp.dtype == "fp16"},
+        "checkpoint": {"url": ckpt.url or f"{run_dir}/checkpoints", "every_n_steps": ckpt.every_n_steps,
+                       "keep_last": ckpt.keep_last, "async": ckpt.async_save, "resume": ckpt.resume},
+        "trainer": {"max_steps": cfg.trainer.max_steps, "global_batch_size": cfg.trainer.global_batch_size,
+                    "micro_batch_size": cfg.trainer.micro_batch_size},
+        "model": {"target": cfg.model.get("_target_")},
+    }
+    return LaunchPlan(
+        preset=cfg.preset, run_id=run_id, run_dir=run_dir, launcher=cfg.launcher, backend=cfg.backend.name,
+        device=cfg.cluster.device, min_nodes=cfg.cluster.min_nodes, max_nodes=cfg.cluster.max_nodes,
+        nproc_per_node=cfg.cluster.nproc_per_node, rendezvous_endpoint=endpoint, rendezvous_conf=rendezvous_conf(cfg),
+        entrypoint=entrypoint_argv(cfg, run_dir), settings=settings, nodes=nodes,
+    )

@@ -1,0 +1,77 @@
+"""``summary.json``: the outcome of a run, rebuilt from its events.jsonl and metrics.jsonl alone.
+
+Because it is derived, a summary can be rebuilt after the launcher itself crashed (``orch report``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from orchestrator.report.runlog import EVENTS_FILE, METRICS_FILE, read_jsonl
+
+SUMMARY_FILE = "summary.json"
+
+
+def latest_launch(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events of the most recent ``launch_started`` on (a run dir may be launched again to resume)."""
+    starts = [i for i, e in enumerate(events) if e["event"] == "launch_started"]
+    return events[starts[-1]:] if starts else events
+
+
+def root_cause(events: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The earliest failure: a worker's exception beats an agent's exit code; duplicates are grouped."""
+    failures = [e for e in events if e["event"] == "worker_failed"]
+    if failures:
+        first = min(failures, key=lambda e: e["t"])
+        same = [e["rank"] for e in failures if e.get("error") == first.get("error")]
+        return {"rank": first["rank"], "node": first.get("node"), "error": first.get("error"),
+                "also_failed_ranks": sorted(set(same) - {first["rank"]})}
+    exits = [e for e in events if e["event"] in ("node_failed", "node_lost")]
+    if exits:
+        first = min(exits, key=lambda e: e["t"])
+        return {"rank": None, "node": first.get("node"), "error": first.get("reason")}
+    return None
+
+
+def world_size_history(events: list[dict[str, Any]]) -> list[int]:
+    """World sizes of successive rendezvous rounds, consecutive repeats collapsed: [2, 1, 2] = shrink, grow."""
+    history: list[int] = []
+    for e in events:
+        if e["event"] == "rendezvous_complete" and (not history or history[-1] != e["world_size"]):
+            history.append(e["world_size"])
+    return history
+
+
+def build_summary(run_dir: str | Path) -> dict[str, Any]:
+    """Summarize the latest launch in ``run_dir`` from its append-only files."""
+    run_dir = Path(run_dir)
+    events = latest_launch(read_jsonl(run_dir / EVENTS_FILE))
+    start = events[0]["t"] if events else None
+    metrics = [m for m in read_jsonl(run_dir / METRICS_FILE) if start is None or m["t"] >= start]
+    finished = next((e for e in reversed(events) if e["event"] == "training_finished"), {})
+    run_finished = next((e for e in reversed(events) if e["event"] == "run_finished"), None)
+    status = run_finished["status"] if run_finished else "incomplete"
+    summary = {
+        "status": status,
+        "preset": events[0].get("preset") if events else None,
+        "steps_completed": finished.get("steps_completed", metrics[-1]["step"] if metrics else 0),
+        "final_loss": finished.get("final_loss", metrics[-1]["loss"] if metrics else None),
+        "first_loss": metrics[0]["loss"] if metrics else None,
+        "world_size_history": world_size_history(events),
+        "wall_s": (run_finished["t"] - start) if run_finished and start else None,
+        "params_sha256": finished.get("params_sha256"),
+        "restarts": sum(1 for e in events if e["event"] == "restart"),
+        "nodes_lost": sum(1 for e in events if e["event"] == "node_lost"),
+        "samples_per_s": (sum(m["samples_per_s"] for m in metrics) / len(metrics)) if metrics else None,
+    }
+    if status != "succeeded":
+        summary["root_cause"] = root_cause(events)
+    return summary
+
+
+def write_summary(run_dir: str | Path) -> dict[str, Any]:
+    summary = build_summary(run_dir)
+    (Path(run_dir) / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

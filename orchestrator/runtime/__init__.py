@@ -1,0 +1,1 @@
+"""The worker runtime: what runs inside every torchrun worker. Imports no Ray and no launcher."""

@@ -1,0 +1,61 @@
+"""The process group, from the environment torchrun gives every worker."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from orchestrator.errors import EnvironmentMismatch
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Who this worker is, as torchrun's environment says (a lone process outside torchrun is rank 0 of 1)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    restart_count: int
+
+    @classmethod
+    def from_env(cls) -> "DistContext":
+        env = os.environ
+        return cls(
+            rank=int(env.get("RANK", 0)),
+            world_size=int(env.get("WORLD_SIZE", 1)),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+            node_rank=int(env.get("GROUP_RANK", 0)),
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        )
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def select_device(kind: str, local_rank: int) -> torch.device:
+    """``cpu``, or the GPU of this worker's LOCAL_RANK (made current so NCCL and allocations land there)."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if local_rank >= count:
+        raise EnvironmentMismatch(f"cluster.device=cuda: LOCAL_RANK {local_rank} needs GPU {local_rank}, but this "
+                                  f"machine has {count} CUDA device(s). Fix: lower cluster.nproc_per_node or use cpu")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def init_process_group(ctx: DistContext, backend: str, timeout_s: float) -> None:
+    """Join the job's process group; a lone process gets a private world of one."""
+    timeout = timedelta(seconds=timeout_s)
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

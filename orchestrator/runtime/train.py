@@ -1,0 +1,54 @@
+"""Entry point of every built-in worker: ``python -m orchestrator.runtime.train --config RUN_DIR/config.yaml``.
+
+torchrun starts it once per rank. It reads the run's resolved config, joins the process group, trains,
+and reports: rank 0 writes ``rendezvous_complete``/``restart``/``training_finished`` events, and any rank
+that fails writes ``worker_failed`` with its traceback so the launcher can name the root-cause rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from orchestrator.config.compose import load_run_config
+from orchestrator.report.runlog import EventLog
+from orchestrator.runtime.distributed import DistContext, init_process_group
+from orchestrator.runtime.trainer import Trainer
+
+
+@record  # writes torchrun's error file, so torchrun's own summary names this rank too
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="orchestrator.runtime.train")
+    parser.add_argument("--config", required=True, help="a run dir's resolved config.yaml")
+    args = parser.parse_args(argv)
+    run_dir = os.environ.get("ORCH_RUN_DIR") or str(Path(args.config).parent)
+    events, ctx = EventLog(run_dir), DistContext.from_env()
+    try:
+        cfg = load_run_config(args.config)
+        init_process_group(ctx, cfg.backend.name, cfg.backend.timeout_s)
+        if ctx.is_main:
+            events.emit("rendezvous_complete", world_size=ctx.world_size, restart_count=ctx.restart_count,
+                        nnodes=ctx.world_size // ctx.local_world_size)
+            if ctx.restart_count:
+                events.emit("restart", restart_count=ctx.restart_count, world_size=ctx.world_size,
+                            reason="workers restarted by the torchrun agent")
+        Trainer(cfg, ctx, run_dir, events).fit()
+    except BaseException as exc:
+        if not isinstance(exc, SystemExit) or exc.code:
+            events.emit("worker_failed", rank=ctx.rank, node=ctx.node_rank, restart_count=ctx.restart_count,
+                        error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-4000:])
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""The built-in training loop: DDP, AMP, gradient accumulation, LR schedule, metrics, checkpoints."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import hashlib
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+
+from orchestrator.config.schema import OrchConfig
+from orchestrator.report.runlog import METRICS_FILE, EventLog, append_jsonl
+from orchestrator.runtime.distributed import DistContext, select_device
+from orchestrator.runtime.precision import MixedPrecision
+from orchestrator.runtime.sampler import GlobalBatchSampler
+
+
+DDP_PARAMS = inspect.signature(DDP.__init__).parameters
+
+
+@dataclass
+class Progress:
+    """Where training stands; what a checkpoint must restore besides the tensors."""
+
+    step: int = 0
+    samples_consumed: int = 0
+    epoch: int = 0
+
+
+def params_sha256(model: torch.nn.Module) -> str:
+    """SHA-256 over parameter names and raw bytes in module order: equal only for bit-identical models."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    """Trains ``cfg.model`` on ``cfg.data`` for ``cfg.trainer.max_steps`` optimizer steps in the current
+    process group. Rank 0 writes metrics.jsonl and the run's training events into ``run_dir``."""
+
+    def __init__(self, cfg: OrchConfig, ctx: DistContext, run_dir: str, events: EventLog):
+        self.cfg, self.ctx, self.run_dir, self.events = cfg, ctx, run_dir, events
+        self.device = select_device(cfg.cluster.device, ctx.local_rank)
+        seed_everything(cfg.trainer.seed)  # identical init on every rank, before DDP's broadcast makes sure
+        self.raw_model = instantiate(cfg.model, _convert_="all").to(self.device)
+        self.model = self._wrap(self.raw_model)
+        self.optimizer = instantiate(cfg.optim, params=self.raw_model.parameters(), _convert_="all")
+        self.scheduler = instantiate(cfg.scheduler, optimizer=self.optimizer, _convert_="all")
+        self.precision = MixedPrecision(cfg.amp.enabled, cfg.amp.dtype, self.device)
+        self.dataset = instantiate(cfg.data.dataset, _convert_="all")
+        self.progress = Progress()
+        self.checkpoints = None  # set by attach_checkpoints (the checkpoint issue wires it in train.py)
+        self.last_loss: Optional[float] = None
+
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.cfg.trainer.compile:
+            model = torch.compile(model, mode=self.cfg.trainer.compile_mode)
+        d = self.cfg.ddp
+        # Newer torch renamed broadcast_buffers (per-forward buffer sync) to forward_sync_buffers.
+        buffers_flag = "forward_sync_buffers" if "forward_sync_buffers" in DDP_PARAMS else "broadcast_buffers"
+        return DDP(
+            model,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            static_graph=d.static_graph,
+            find_unused_parameters=d.find_unused_parameters,
+            gradient_as_bucket_view=d.gradient_as_bucket_view,
+            bucket_cap_mb=d.bucket_cap_mb,
+            **{buffers_flag: d.broadcast_buffers},
+        )
+
+    def _loader(self) -> tuple[GlobalBatchSampler, DataLoader]:
+        t, d = self.cfg.trainer, self.cfg.data
+        sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, t.micro_batch_size, self.ctx.world_size,
+                                     self.ctx.rank, seed=t.seed, start_sample=self.progress.samples_consumed,
+                                     drop_last=d.drop_last)
+        extra = {"prefetch_factor": d.prefetch_factor} if d.num_workers and d.prefetch_factor else {}
+        loader = DataLoader(self.dataset, batch_sampler=sampler, num_workers=d.num_workers,
+                            pin_memory=d.pin_memory and self.device.type == "cuda",
+                            persistent_workers=d.persistent_workers, **extra)
+        return sampler, loader
+
+    def fit(self) -> dict[str, Any]:
+        """Train to max_steps; returns what rank 0 reports as the training result."""
+        t = self.cfg.trainer
+        sampler, loader = self._loader()
+        batches = iter(loader)
+        print(f"[rank{self.ctx.rank}] world size {self.ctx.world_size}, {sampler.accumulation_steps} accumulation "
+              f"step(s), device {self.device}, starting at step {self.progress.step}", flush=True)
+        anomaly = torch.autograd.set_detect_anomaly(True) if t.detect_anomaly else contextlib.nullcontext()
+        window_start, window_steps = time.perf_counter(), 0
+        with anomaly:
+            while self.progress.step < t.max_steps:
+                step_start = time.perf_counter()
+                loss, sample_ids = self.train_step(batches, sampler.accumulation_steps)
+                self.progress.step += 1
+                self.progress.samples_consumed += t.global_batch_size
+                self.progress.epoch = sampler.epoch_of(self.progress.samples_consumed)
+                window_steps += 1
+                self._record_samples(sample_ids)
+                if self.progress.step % t.log_every == 0 or self.progress.step == t.max_steps:
+                    now = time.perf_counter()
+                    self._log_metrics(loss, now - window_start, window_steps, now - step_start)
+                    window_start, window_steps = now, 0
+                self.after_step()
+        return self.finish()
+
+    def train_step(self, batches, accumulation_steps: int) -> tuple[torch.Tensor, list[int]]:
+        """One optimizer step over ``accumulation_steps`` micro-batches; DDP all-reduces only on the last."""
+        total = torch.zeros((), device=self.device)
+        sample_ids: list[int] = []
+        for micro in range(accumulation_steps):
+            batch = next(batches)
+            sample_ids += batch["sample_id"].tolist()
+            sync = micro == accumulation_steps - 1
+            with (contextlib.nullcontext() if sync else self.model.no_sync()), self.precision.autocast():
+                loss = self.model(batch["input_ids"].to(self.device, non_blocking=True),
+                                  batch["labels"].to(self.device, non_blocking=True)) / accumulation_steps
+            self.precision.scaler.scale(loss).backward()
+            total += loss.detach()
+        scaler = self.precision.scaler
+        if self.cfg.trainer.grad_clip_norm is not None:
+            scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.cfg.trainer.grad_clip_norm)
+        scaler.step(self.optimizer)
+        scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total, sample_ids
+
+    def after_step(self) -> None:
+        """Hook at every step boundary (periodic checkpoints, preemption checks)."""
+
+    def _log_metrics(self, loss: torch.Tensor, window_s: float, window_steps: int, step_time_s: float) -> None:
+        # The all-reduce runs only on logging steps, which every rank agrees on, to keep the loop lean.
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+        self.last_loss = loss.item() / self.ctx.world_size
+        if not self.ctx.is_main:
+            return
+        record = {
+            "t": time.time(), "step": self.progress.step, "loss": self.last_loss,
+            "lr": self.scheduler.get_last_lr()[0], "world_size": self.ctx.world_size,
+            "samples_per_s": self.cfg.trainer.global_batch_size * window_steps / window_s,
+            "step_time_s": window_s / window_steps, "last_step_time_s": step_time_s,
+            "restart_count": self.ctx.restart_count,
+        }
+        append_jsonl(Path(self.run_dir) / METRICS_FILE, record)
+        print(f"[rank{self.ctx.rank}] step {record['step']}/{self.cfg.trainer.max_steps} loss {record['loss']:.4f} "
+              f"lr {record['lr']:.2e} {record['samples_per_s']:.1f} samples/s world {self.ctx.world_size}", flush=True)
+
+    def _record_samples(self, sample_ids: list[int]) -> None:
+        """With trainer.record_sample_ids, each rank logs which samples each step trained on (for audits)."""
+        if self.cfg.trainer.record_sample_ids:
+            path = Path(self.run_dir) / "samples" / f"rank{self.ctx.rank}.jsonl"
+            path.parent.mkdir(exist_ok=True)
+            append_jsonl(path, {"step": self.progress.step, "ids": sample_ids, "world_size": self.ctx.world_size,
+                                "restart_count": self.ctx.restart_count})
+
+    def finish(self) -> dict[str, Any]:
+        result = {"steps_completed": self.progress.step, "final_loss": self.last_loss,
+                  "params_sha256": params_sha256(self.raw_model), "world_size": self.ctx.world_size,
+                  "progress": asdict(self.progress)}
+        if self.ctx.is_main:
+            self.events.emit("training_finished", **result)
+        return result
