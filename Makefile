@@ -10,6 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 $(BIN)/orch: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(BIN)/orch
 

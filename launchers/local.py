@@ -22,6 +22,7 @@ from orchestrator.rendezvous import RendezvousStore
 from orchestrator.report.runlog import EventLog
 
 NODES_FILE = "nodes.json"  # node -> agent PID, read by `orch chaos kill-node`
+EXIT_BARRIER_GRACE_S = 10.0
 
 
 class LocalLauncher:
@@ -70,37 +71,63 @@ class LocalLauncher:
     def _monitor(self, agents: dict[int, NodeProcess]) -> dict[int, int]:
         """Wait for every agent; log each exit as node_finished, node_lost (signal) or node_failed."""
         exits: dict[int, int] = {}
+        stopping = False
+        finished_at: Optional[float] = None
+        next_check = 0.0
         while len(exits) < len(agents):
-            if self._stop.is_set():
+            if self._stop.is_set() and not stopping:
+                stopping = True
                 self.events.emit("interrupted", reason="the launcher got SIGINT/SIGTERM")
-                for node, agent in agents.items():
-                    if node not in exits:
-                        terminate_tree(agent.pid)
-                self._stop.clear()
+                self._stop_agents(agents, exits)
+            now = time.monotonic()
+            if finished_at is None and now >= next_check and self.cfg.entrypoint.builtin:
+                next_check = now + 1.0
+                if any(e["event"] == "training_finished" for e in self._launch_events()):
+                    finished_at = now
+            if finished_at is not None and exits and now - finished_at > EXIT_BARRIER_GRACE_S and not stopping:
+                # Training is done but an agent waits in torchrun's exit barrier (300 s, not configurable)
+                # for a peer that was lost after the last step: nothing is left to wait for.
+                stopping = True
+                self.events.emit("agents_stopped", reason="training finished; agents still waiting on lost peers")
+                self._stop_agents(agents, exits)
             for node, agent in agents.items():
                 rc = agent.poll()
                 if node in exits or rc is None:
                     continue
                 agent.wait()
                 exits[node] = rc
-                if rc == 0:
-                    self.events.emit("node_finished", node=node)
-                elif rc < 0:
-                    self.events.emit("node_lost", node=node, reason=f"agent killed by {signal.Signals(-rc).name}")
-                else:
-                    self.events.emit("node_failed", node=node, exit_code=rc,
-                                     reason=f"agent on node {node} exited with code {rc} (see logs/node{node}.log)")
+                self._record_exit(node, rc, stopping)
             time.sleep(0.1)
         return exits
 
-    def _status(self, exits: dict[int, int]) -> str:
+    def _stop_agents(self, agents: dict[int, NodeProcess], exits: dict[int, int]) -> None:
+        for node, agent in agents.items():
+            if node not in exits:
+                threading.Thread(target=terminate_tree, args=(agent.pid,), daemon=True).start()
+
+    def _record_exit(self, node: int, rc: int, stopping: bool) -> None:
+        if rc == 0:
+            self.events.emit("node_finished", node=node)
+        elif stopping:
+            self.events.emit("node_stopped", node=node, exit_code=rc)
+        elif rc < 0:
+            self.events.emit("node_lost", node=node, reason=f"agent killed by {signal.Signals(-rc).name}")
+        else:
+            self.events.emit("node_failed", node=node, exit_code=rc,
+                             reason=f"agent on node {node} exited with code {rc} (see logs/node{node}.log)")
+
+    def _launch_events(self) -> list[dict]:
         events = self.events.read()
         start = max(i for i, e in enumerate(events) if e["event"] == "launch_started")
-        launch = events[start:]
+        return events[start:]
+
+    def _status(self, exits: dict[int, int]) -> str:
+        launch = self._launch_events()
         if any(e["event"] == "interrupted" for e in launch):
             return "interrupted"
         # A lost node is not a failure (the elastic job goes on without it); a node that failed is.
-        completed = any(rc == 0 for rc in exits.values())
+        stopped = any(e["event"] == "agents_stopped" for e in launch)
+        completed = stopped or any(rc == 0 for rc in exits.values())
         if self.cfg.entrypoint.builtin:
             completed = completed and any(e["event"] == "training_finished" for e in launch)
         else:

@@ -37,3 +37,9 @@ class RunFailed(OrchError):
     """A launched run ended in failure; the message names the root-cause rank and its error."""
 
     exit_code = 1
+
+
+class Interrupted(OrchError):
+    """The user stopped a run (SIGINT/SIGTERM to orch); every process it started was ended."""
+
+    exit_code = 130

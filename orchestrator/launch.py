@@ -15,7 +15,7 @@ from typing import Optional, TextIO
 from omegaconf import OmegaConf
 
 from orchestrator.config.schema import OrchConfig
-from orchestrator.errors import RunFailed
+from orchestrator.errors import Interrupted, RunFailed
 from orchestrator.plan.plan import CONFIG_FILE, build_plan
 from orchestrator.plan.resources import check_local_resources
 from orchestrator.report.summary import write_summary
@@ -49,6 +49,8 @@ def launch(cfg: OrchConfig, dry_run: bool = False, echo: Optional[TextIO] = sys.
     write_config(cfg, cfg.run.dir)
     status = _launcher(cfg, run_id, echo).run()
     summary = write_summary(cfg.run.dir)
+    if status == "interrupted":
+        raise Interrupted(f"run interrupted; every node stopped (run dir: {cfg.run.dir})")
     if status != "succeeded":
         cause = summary.get("root_cause") or {}
         who = f"rank {cause['rank']} (node {cause.get('node')})" if cause.get("rank") is not None else (
