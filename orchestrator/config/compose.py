@@ -89,23 +89,34 @@ def load_run_config(path: str) -> OrchConfig:
 
 def _translate(exc: Exception, overrides: Sequence[str]) -> UserError:
     """Turn Hydra/OmegaConf's multi-line errors into one line naming the key, the value and the fix."""
-    text = f"{exc} {getattr(exc, '__cause__', '') or ''}"
-    key_match = re.search(r"[Cc]ould not (?:override|append to|delete from config)\s*'?([\w.]+)'?", text) or re.search(
-        r"full_key: ([\w.\[\]]+)", text
-    )
-    key = key_match.group(1) if key_match else None
-    value = next((o.split("=", 1)[1] for o in overrides if key and o.lstrip("+~").split("=")[0] == key and "=" in o), None)
-    if "not in struct" in text or "Key '" in text and "not found" in text:
-        return ConfigError(key or "?", value, f"check the spelling (see `orch launch --help`), or add a new key with +{key}=...",
-                           "is not a known key")
-    if isinstance(exc, MissingConfigException) or "Could not find" in text:
-        option = re.search(r"'([^']+)'", text)
-        return UserError(f"config option {option.group(1) if option else '?'} not found: {text.splitlines()[0]}. "
-                         "Fix: see `orch launch --help` for the groups and their options")
-    if "Value '" in text and ("could not be converted" in text or "is not a valid" in text):
+    text = f"{exc}\n{exc.__cause__ or ''}"
+    key = _first(text, r"full_key: ([\w.\[\]]+)", r"Could not override '([\w.]+)'", r"'([\w.]+)' does not exist")
+    given = {o.lstrip("+~").split("=", 1)[0]: o.split("=", 1)[1] for o in overrides if "=" in o}
+    value = given.get(key)
+    missing_option = re.search(r"Could not find '([\w.]+)/([\w.]+)'", text)
+    if missing_option:
+        group, option = missing_option.groups()
+        choices = ", ".join(re.findall(r"^\t(\S+)$", text, re.M))
+        return ConfigError(group, option, f"use one of {choices}", f"is not a known option of group {group!r}")
+    if "does not exist" in text:
+        return ConfigError(key or "?", None, "delete only keys the preset has (see `orch launch --help`)",
+                           "cannot be deleted: it does not exist")
+    if "not in struct" in text or re.search(r"Key '[\w]+' not in '", text):
+        return ConfigError(key or "?", value, f"check the spelling (see `orch launch --help` and "
+                           f"docs/configuration.md), or add a new key with +{key}=...", "is not a known key")
+    if "could not be converted" in text or "is not a valid" in text:
+        value = _first(text, r"Value '([^']*)'") or value
         return ConfigError(key or "?", value, "give a value of the key's type (see docs/configuration.md)",
                            "has the wrong type")
     if "Missing mandatory value" in text:
         return ConfigError(key or "?", "???", "set it in the preset or as an override", "is required but missing")
     first = next((ln for ln in str(exc).splitlines() if ln.strip()), str(exc))
-    return UserError(f"invalid configuration: {first}. Fix: check the overrides against `orch launch --help`")
+    return UserError(f"invalid configuration: {first} Fix: check the overrides against `orch launch --help`")
+
+
+def _first(text: str, *patterns: str):
+    for pattern in patterns:
+        match = re.search(pattern, text)
+        if match:
+            return match.group(1)
+    return None
