@@ -159,6 +159,8 @@ class Trainer:
             "step_time_s": window_s / window_steps, "last_step_time_s": step_time_s,
             "restart_count": self.ctx.restart_count,
         }
+        if self.precision.scaler.is_enabled():
+            record["grad_scale"] = self.precision.scaler.get_scale()
         append_jsonl(Path(self.run_dir) / METRICS_FILE, record)
         print(f"[rank{self.ctx.rank}] step {record['step']}/{self.cfg.trainer.max_steps} loss {record['loss']:.4f} "
               f"lr {record['lr']:.2e} {record['samples_per_s']:.1f} samples/s world {self.ctx.world_size}", flush=True)
