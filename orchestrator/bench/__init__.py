@@ -1,0 +1,1 @@
+"""Benchmarks behind ``orch bench ...``: side-by-side comparisons, never timed unit tests."""

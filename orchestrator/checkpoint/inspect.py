@@ -1,0 +1,110 @@
+"""Human-readable views of checkpoints: the text behind ``orch ckpt list URL`` and ``orch ckpt inspect``."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+
+from orchestrator.errors import UserError
+
+from .manager import CheckpointManager
+from .manifest import MANIFEST_NAME, ManifestError, check_checksum, parse_manifest
+from .storage import STEP_DIR_RE, step_dirname
+
+
+def format_checkpoint_list(url: str) -> str:
+    """A table of every ``step_N`` directory under ``url``: step, valid, size, created, config fingerprint.
+
+    Validity here is manifest + sizes (no checksums: that would read every byte); ``inspect`` checks them.
+    Raises ConfigError (a UserError) for an unusable URL.
+    """
+    infos = CheckpointManager(url).list()
+    if not infos:
+        return f"no checkpoints under {url}"
+    rows = [("step", "valid", "size", "created", "config_fingerprint")]
+    for i in infos:
+        rows.append((
+            str(i.step),
+            "yes" if i.valid else f"no: {i.reason}",
+            _human_bytes(i.total_bytes),
+            _fmt_time(i.created_t),
+            str(i.metadata.get("config_fingerprint") or "-"),
+        ))
+    return f"checkpoints under {url}\n" + _table(rows)
+
+
+def format_checkpoint_detail(url_or_step_url: str) -> str:
+    """Files, sizes, checksum results (ok/bad/missing) and metadata (JSON) of one checkpoint.
+
+    Accepts ``URL/step_000000012`` or ``URL`` (then the newest ``step_N`` directory, valid or not). Every
+    payload is read to verify its sha256. Raises UserError when there is no such checkpoint directory.
+    """
+    root, step = _split_step_url(url_or_step_url)
+    manager = CheckpointManager(root)
+    storage = manager.storage
+    steps = storage.list_steps()
+    if step is None:
+        if not steps:
+            raise UserError(f"no checkpoints under {root}")
+        step = steps[-1]
+    elif step not in steps:
+        raise UserError(f"no checkpoint directory {step_dirname(step)} under {root}")
+    stepdir = step_dirname(step)
+    present = storage.list_files(stepdir)
+    lines = [f"checkpoint {storage.url_for(stepdir)}"]
+    if MANIFEST_NAME not in present:
+        lines.append("valid: no (no manifest.json: incomplete write, not a checkpoint)")
+        lines += [f"  {name}  {_human_bytes(size)}" for name, size in sorted(present.items())]
+        return "\n".join(lines)
+    try:
+        manifest = parse_manifest(storage.read_bytes(f"{stepdir}/{MANIFEST_NAME}"))
+    except ManifestError as e:
+        lines.append(f"valid: no ({e})")
+        return "\n".join(lines)
+    rows = [("file", "size", "sha256", "check")]
+    all_ok = True
+    for fname, entry in manifest.files.items():
+        if fname not in present:
+            check = "missing"
+        else:
+            reason = check_checksum(manifest, fname, storage.read_bytes(f"{stepdir}/{fname}"))
+            check = "ok" if reason is None else f"bad: {reason}"
+        all_ok = all_ok and check == "ok"
+        rows.append((fname, _human_bytes(entry.size), entry.sha256[:16], check))
+    lines.append(
+        f"step: {manifest.step}  format_version: {manifest.format_version}  "
+        f"created: {_fmt_time(manifest.created_t)}  valid: {'yes' if all_ok else 'no'}"
+    )
+    lines.append(_table(rows))
+    lines.append("metadata:")
+    lines.append(json.dumps(manifest.metadata, indent=2, sort_keys=True))
+    return "\n".join(lines)
+
+
+def _split_step_url(url: str) -> tuple[str, int | None]:
+    # String surgery, not pathlib: a URL such as s3://bucket/run must keep its double slash.
+    trimmed = url.rstrip("/")
+    head, _, last = trimmed.rpartition("/")
+    match = STEP_DIR_RE.match(last)
+    if match and head and not head.endswith(":/"):
+        return head, int(match.group(1))
+    return trimmed or url, None
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _fmt_time(t: float | None) -> str:
+    if t is None:
+        return "-"
+    return _dt.datetime.fromtimestamp(t, tz=_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")

@@ -1,0 +1,349 @@
+"""CheckpointManager: save (optionally in the background), list, load and prune checkpoints at one URL.
+
+Protocol (see :mod:`.manifest`): ``<url>/step_<N:09d>/`` holds one ``<name>.pt`` file per payload, written
+with ``torch.save``, then ``manifest.json`` written last. A save is committed exactly when its manifest is
+written, so a writer killed at any point leaves either the old set of checkpoints or the new one, plus at
+most one directory without a manifest, which every reader ignores.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from orchestrator.errors import ConfigError
+
+from .errors import CheckpointError
+from .manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    build_manifest,
+    check_checksum,
+    check_sizes,
+    encode_manifest,
+    parse_manifest,
+    sha256_hex,
+)
+from .preflight import open_storage, preflight_storage
+from .staging import StagingArea
+from .storage import CheckpointStorage, step_dirname
+
+log = logging.getLogger(__name__)
+
+PAYLOAD_SUFFIX = ".pt"
+_PAYLOAD_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+EventHook = Callable[[str, dict], None]
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One ``step_N`` directory. ``valid``: manifest parses and every listed file exists with its listed
+    size (checksums are verified by :meth:`CheckpointManager.load`). ``reason`` says why it is not valid."""
+
+    step: int
+    url: str
+    valid: bool
+    reason: str | None
+    total_bytes: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+    created_t: float | None = None
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A loaded checkpoint: ``state`` maps payload name (``"model"``, ``"optim"``, ...) to its CPU object."""
+
+    step: int
+    state: dict[str, Any]
+    metadata: dict[str, Any]
+
+
+class _Unreadable(Exception):
+    """A checkpoint that passed the size check but cannot be read back (checksum, missing file, unsafe)."""
+
+
+class CheckpointManager:
+    """Saves and loads checkpoints under ``url`` through fsspec.
+
+    ``keep_last``: valid checkpoints kept after each committed save (>= 1). ``async_save``: serialize and
+    write in a background thread (at most one in flight) so the caller only waits for the copy to CPU.
+    ``on_event(name, fields)``: called with ``checkpoint_saved`` / ``checkpoint_failed`` /
+    ``checkpoint_skipped`` / ``checkpoint_retention_failed``; from the background thread for async saves.
+    Not thread-safe: call ``save``/``wait``/``load`` from one thread (the training loop).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        keep_last: int = 3,
+        async_save: bool = True,
+        on_event: EventHook | None = None,
+    ):
+        if not isinstance(keep_last, int) or keep_last < 1:
+            raise ConfigError("checkpoint.keep_last", keep_last, "set it to 1 or more", "must be an integer >= 1")
+        self.url = url
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self._on_event = on_event
+        self._storage: CheckpointStorage | None = None  # resolved lazily so that preflight() owns the errors
+        self._thread: threading.Thread | None = None
+        self._failure: tuple[int, BaseException] | None = None
+        # Async saves keep their CPU buffers between saves (cheaper stall); sync saves free them.
+        self._staging = StagingArea(reuse=async_save)
+
+    @property
+    def storage(self) -> CheckpointStorage:
+        """The resolved storage (raises ConfigError for an unknown scheme or a missing package)."""
+        if self._storage is None:
+            self._storage = open_storage(self.url)
+        return self._storage
+
+    # -- preflight --------------------------------------------------------------------------------
+    def preflight(self) -> None:
+        """Check before training that checkpoints can be written to ``url`` (probe write + delete).
+
+        Raises ConfigError (a UserError, exit 2) naming ``checkpoint.url``, the value and the fix.
+        """
+        self._storage = preflight_storage(self.url)
+
+    # -- save -------------------------------------------------------------------------------------
+    def save(self, step: int, state: dict[str, Any], metadata: dict | None = None) -> float:
+        """Save ``state`` (payload name -> nested dicts/lists/tuples of tensors and plain values) as ``step``.
+
+        Waits for the previous save (raising CheckpointError if it failed, without saving this one), copies
+        every tensor to CPU, then serializes, writes payloads, writes the manifest and applies retention:
+        in a background thread when ``async_save``, else before returning. Returns the seconds the caller
+        was blocked. Raises CheckpointError for state ``torch.load(weights_only=True)`` could not read back,
+        a non-JSON ``metadata``, or (sync mode) a failed write.
+        """
+        t0 = time.perf_counter()
+        self.wait()
+        metadata = dict(metadata or {})
+        _check_payload_names(state)
+        try:
+            json.dumps(metadata, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"checkpoint metadata for step {step} is not JSON-serializable: {e}") from e
+        # The copy is the only part that must block: training mutates parameters in place right after.
+        cpu_state = self._staging.stage(state)
+        if not self.async_save:
+            self._write(step, cpu_state, metadata, is_async=False, t_call=t0)
+            return time.perf_counter() - t0
+        stall_s = time.perf_counter() - t0
+        self._thread = threading.Thread(
+            target=self._write_in_background,
+            args=(step, cpu_state, metadata, stall_s),
+            name=f"orch-ckpt-save-{step}",
+            daemon=False,  # an interpreter exiting mid-save waits for the commit instead of tearing it
+        )
+        self._thread.start()
+        return stall_s
+
+    def wait(self) -> None:
+        """Block until no save is in flight; raise CheckpointError if the last background save failed."""
+        self._join()
+        if self._failure is not None:
+            step, err = self._failure
+            self._failure = None
+            raise CheckpointError(
+                f"background checkpoint save of step {step} to {self.url} failed: {type(err).__name__}: {err}"
+            ) from err
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _write_in_background(self, step: int, cpu_state: dict, metadata: dict, stall_s: float) -> None:
+        try:
+            self._write(step, cpu_state, metadata, is_async=True, stall_s=stall_s)
+        except Exception as e:  # noqa: BLE001 - kept for the next save()/wait() to raise, never dropped
+            self._failure = (step, e.__cause__ if isinstance(e, CheckpointError) and e.__cause__ else e)
+
+    def _write(
+        self, step: int, cpu_state: dict, metadata: dict, *, is_async: bool,
+        stall_s: float | None = None, t_call: float | None = None,
+    ) -> None:
+        """Serialize + write payloads + manifest, emit checkpoint_saved, prune. CheckpointError on failure.
+
+        The reported stall is ``stall_s`` when given (async), else the time since ``t_call`` (sync).
+        """
+        t0 = time.perf_counter()
+        stepdir = step_dirname(step)
+        try:
+            storage = self.storage
+            # A rewrite of an existing step must not leave the old manifest describing new payloads.
+            if storage.exists(stepdir):
+                storage.remove(stepdir)
+            entries: dict[str, FileEntry] = {}
+            for name, obj in cpu_state.items():
+                buf = io.BytesIO()
+                torch.save(obj, buf)
+                data = buf.getbuffer()
+                fname = name + PAYLOAD_SUFFIX
+                entries[fname] = FileEntry(size=len(data), sha256=sha256_hex(data))
+                storage.write_bytes(f"{stepdir}/{fname}", data)
+                del data, buf
+            manifest = build_manifest(step, entries, metadata)
+            storage.write_bytes(f"{stepdir}/{MANIFEST_NAME}", encode_manifest(manifest))
+        except Exception as e:  # noqa: BLE001 - any failure must reach the caller, never vanish
+            self._emit("checkpoint_failed", {
+                "step": step, "error": f"{type(e).__name__}: {e}", "async": is_async, "url": self.url,
+            })
+            raise CheckpointError(
+                f"checkpoint save of step {step} to {self.url} failed: {type(e).__name__}: {e}"
+            ) from e
+        write_s = time.perf_counter() - t0
+        if stall_s is None:
+            stall_s = time.perf_counter() - (t_call if t_call is not None else t0)
+        self._emit("checkpoint_saved", {
+            "step": step, "stall_s": stall_s, "write_s": write_s, "bytes": manifest.total_bytes,
+            "async": is_async, "url": storage.url_for(stepdir),
+        })
+        self._prune()
+
+    # -- retention --------------------------------------------------------------------------------
+    def _prune(self) -> None:
+        """Keep the ``keep_last`` newest valid checkpoints; drop older valid ones and incomplete
+        directories older than the newest valid one. Failures warn (the new checkpoint is committed)."""
+        try:
+            infos = self.list()
+            valid = [i.step for i in infos if i.valid]
+            if not valid:
+                return
+            keep = set(valid[-self.keep_last:])
+            newest = valid[-1]
+            for info in infos:
+                doomed = (info.valid and info.step not in keep) or (not info.valid and info.step < newest)
+                if doomed and info.step != newest:
+                    self.storage.remove(step_dirname(info.step))
+        except Exception as e:  # noqa: BLE001
+            msg = f"checkpoint retention under {self.url} failed: {type(e).__name__}: {e}"
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+            self._emit("checkpoint_retention_failed", {"error": msg, "url": self.url})
+
+    # -- listing ----------------------------------------------------------------------------------
+    def list(self) -> list[CheckpointInfo]:
+        """Every ``step_N`` directory under ``url`` with its validity, sorted by step."""
+        return [self._inspect(step)[0] for step in self.storage.list_steps()]
+
+    def latest_valid_step(self) -> int | None:
+        """Step of the newest valid checkpoint (by manifest and sizes), or None."""
+        valid = [i.step for i in self.list() if i.valid]
+        return valid[-1] if valid else None
+
+    def _inspect(self, step: int) -> tuple[CheckpointInfo, Manifest | None]:
+        storage = self.storage
+        stepdir = step_dirname(step)
+        url = storage.url_for(stepdir)
+        present = storage.list_files(stepdir)
+
+        def invalid(reason: str, manifest: Manifest | None = None) -> tuple[CheckpointInfo, None]:
+            total = manifest.total_bytes if manifest else sum(present.values())
+            meta = manifest.metadata if manifest else {}
+            created = manifest.created_t if manifest else None
+            return CheckpointInfo(step, url, False, reason, total, meta, created), None
+
+        if MANIFEST_NAME not in present:
+            return invalid("no manifest.json (incomplete write)")
+        try:
+            manifest = parse_manifest(storage.read_bytes(f"{stepdir}/{MANIFEST_NAME}"))
+        except FileNotFoundError:
+            return invalid("no manifest.json (incomplete write)")
+        except ManifestError as e:
+            return invalid(str(e))
+        if manifest.step != step:
+            return invalid(f"manifest says step {manifest.step}, directory says {step}", manifest)
+        reason = check_sizes(manifest, present)
+        if reason:
+            return invalid(reason, manifest)
+        info = CheckpointInfo(step, url, True, None, manifest.total_bytes, manifest.metadata, manifest.created_t)
+        return info, manifest
+
+    # -- load -------------------------------------------------------------------------------------
+    def load(self, step: int | None = None) -> LoadedCheckpoint | None:
+        """Load checkpoint ``step``, or with None the newest one that is valid and passes its checksums.
+
+        With None, each newer checkpoint that is incomplete or corrupt is skipped with ``warnings.warn``
+        and a ``checkpoint_skipped`` event, and None is returned if no checkpoint can be loaded. With an
+        explicit step that is absent, invalid or corrupt: CheckpointError naming the reason. Payloads are
+        read with ``torch.load(weights_only=True, map_location="cpu")``: loading never runs pickled code.
+        Waits for an in-flight save first (its failure is still reported by the next save()/wait()).
+        """
+        self._join()
+        if step is not None:
+            if step not in self.storage.list_steps():
+                raise CheckpointError(f"no checkpoint at step {step} under {self.url}")
+            info, manifest = self._inspect(step)
+            if manifest is None:
+                raise CheckpointError(f"checkpoint {info.url} is not valid: {info.reason}")
+            try:
+                return self._read(manifest)
+            except _Unreadable as e:
+                raise CheckpointError(f"checkpoint {info.url} is not valid: {e}") from e
+        for candidate in reversed(self.storage.list_steps()):
+            info, manifest = self._inspect(candidate)
+            try:
+                if manifest is None:
+                    raise _Unreadable(info.reason)
+                return self._read(manifest)
+            except _Unreadable as e:
+                self._skip(info, str(e))
+        return None
+
+    def _skip(self, info: CheckpointInfo, reason: str) -> None:
+        warnings.warn(f"skipping checkpoint {info.url}: {reason}", RuntimeWarning, stacklevel=3)
+        self._emit("checkpoint_skipped", {"step": info.step, "reason": reason, "url": info.url})
+
+    def _read(self, manifest: Manifest) -> LoadedCheckpoint:
+        stepdir = step_dirname(manifest.step)
+        blobs = {}
+        # Verify every checksum before deserializing anything, so a corrupt checkpoint costs no unpickling.
+        for fname in manifest.files:
+            try:
+                data = self.storage.read_bytes(f"{stepdir}/{fname}")
+            except FileNotFoundError as e:
+                raise _Unreadable(f"missing file {fname}") from e
+            reason = check_checksum(manifest, fname, data)
+            if reason:
+                raise _Unreadable(reason)
+            blobs[fname] = data
+        state = {}
+        for fname, data in blobs.items():
+            name = fname[: -len(PAYLOAD_SUFFIX)] if fname.endswith(PAYLOAD_SUFFIX) else fname
+            try:
+                state[name] = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+            except Exception as e:  # noqa: BLE001 - UnpicklingError, RuntimeError: refuse, never run code
+                raise _Unreadable(f"{fname} cannot be loaded with weights_only=True ({type(e).__name__})") from e
+        return LoadedCheckpoint(step=manifest.step, state=state, metadata=dict(manifest.metadata))
+
+    # -- events -----------------------------------------------------------------------------------
+    def _emit(self, name: str, fields: dict) -> None:
+        if self._on_event is None:
+            return
+        try:
+            self._on_event(name, fields)
+        except Exception:  # noqa: BLE001 - a broken listener must not break checkpointing
+            log.exception("checkpoint event listener failed on %s", name)
+
+
+def _check_payload_names(state: dict) -> None:
+    if not isinstance(state, dict) or not state:
+        raise CheckpointError("checkpoint state must be a non-empty dict of payload name -> object")
+    for name in state:
+        if not isinstance(name, str) or not _PAYLOAD_NAME_RE.match(name) or name + PAYLOAD_SUFFIX == MANIFEST_NAME:
+            raise CheckpointError(
+                f"checkpoint payload name {name!r} is not usable as a file name (letters, digits, _ . -)"
+            )

@@ -1,0 +1,129 @@
+"""The checkpoint manifest: what makes a ``step_N`` directory a checkpoint.
+
+``manifest.json`` is written LAST, after every payload file. It lists each file with its size and sha256,
+plus ``step``, ``format_version``, ``created_t`` and a caller-supplied JSON ``metadata`` dict. A directory
+without a parseable manifest is not a checkpoint (a writer died before committing). A checkpoint is *valid*
+when every listed file exists with the listed size; checksums are checked when payloads are read, because
+reading every byte just to list checkpoints would be too slow on an object store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 1
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be parsed or does not describe a checkpoint of this format."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One payload file of a checkpoint: its size in bytes and hex sha256."""
+
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed manifest. ``files`` maps file name (relative to the step directory) to its entry."""
+
+    step: int
+    format_version: int
+    created_t: float
+    files: dict[str, FileEntry]
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of the listed payload sizes."""
+        return sum(e.size for e in self.files.values())
+
+
+def sha256_hex(data: bytes | memoryview) -> str:
+    """Hex sha256 of ``data``."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def build_manifest(
+    step: int, files: Mapping[str, FileEntry], metadata: Mapping[str, Any], created_t: float | None = None
+) -> Manifest:
+    """A manifest for ``files`` already written at ``step``. ``metadata`` must be JSON-serializable."""
+    return Manifest(
+        step=int(step),
+        format_version=FORMAT_VERSION,
+        created_t=time.time() if created_t is None else float(created_t),
+        files=dict(files),
+        metadata=dict(metadata),
+    )
+
+
+def encode_manifest(manifest: Manifest) -> bytes:
+    """The JSON bytes stored as ``manifest.json``. Raises ``TypeError`` if metadata is not JSON."""
+    doc = {
+        "format_version": manifest.format_version,
+        "step": manifest.step,
+        "created_t": manifest.created_t,
+        "files": {name: {"size": e.size, "sha256": e.sha256} for name, e in manifest.files.items()},
+        "metadata": manifest.metadata,
+    }
+    return json.dumps(doc, indent=2, sort_keys=True, allow_nan=False).encode()
+
+
+def parse_manifest(data: bytes) -> Manifest:
+    """Parse ``manifest.json`` bytes; raises :class:`ManifestError` naming what is wrong."""
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"manifest is not JSON ({e})") from e
+    if not isinstance(doc, dict):
+        raise ManifestError("manifest is not a JSON object")
+    version = doc.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ManifestError(f"unsupported format_version {version!r} (this orch reads {FORMAT_VERSION})")
+    try:
+        files = {
+            str(name): FileEntry(size=int(e["size"]), sha256=str(e["sha256"]))
+            for name, e in doc["files"].items()
+        }
+        metadata = doc.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise TypeError("metadata is not an object")
+        return Manifest(
+            step=int(doc["step"]),
+            format_version=version,
+            created_t=float(doc["created_t"]),
+            files=files,
+            metadata=metadata,
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ManifestError(f"manifest is malformed ({type(e).__name__}: {e})") from e
+
+
+def check_sizes(manifest: Manifest, present: Mapping[str, int]) -> str | None:
+    """Why the files ``present`` (name -> size) do not match ``manifest``, or None when they all do."""
+    for name, entry in manifest.files.items():
+        if name not in present:
+            return f"missing file {name}"
+        if present[name] != entry.size:
+            return f"size mismatch for {name}: {present[name]} bytes, manifest says {entry.size}"
+    return None
+
+
+def check_checksum(manifest: Manifest, name: str, data: bytes | memoryview) -> str | None:
+    """Why ``data`` is not the file ``name`` of ``manifest`` (size or sha256 differ), or None if it is."""
+    entry = manifest.files.get(name)
+    if entry is None:
+        return f"{name} is not listed in the manifest"
+    if len(data) != entry.size:
+        return f"size mismatch for {name}: {len(data)} bytes, manifest says {entry.size}"
+    if sha256_hex(data) != entry.sha256:
+        return f"checksum mismatch for {name} (sha256 differs from the manifest: corrupt)"
+    return None

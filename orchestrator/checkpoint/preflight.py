@@ -1,0 +1,87 @@
+"""Preflight of a checkpoint URL: prove, before training starts, that checkpoints can be written there.
+
+Every problem becomes one :class:`~orchestrator.errors.ConfigError` line (a ``UserError``, exit code 2)
+naming ``checkpoint.url``, its value and the fix, because finding out at the first save (hours in) wastes
+the run.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from orchestrator.errors import ConfigError
+
+from .storage import CheckpointStorage, missing_package_for, url_scheme
+
+KEY = "checkpoint.url"
+_SCHEMES_HINT = "use a local path or a file://, s3://, gs:// or memory:// URL"
+_CREDENTIAL_HINTS = {
+    "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or attach an instance role)",
+    "gs": "set GOOGLE_APPLICATION_CREDENTIALS or run `gcloud auth application-default login`",
+    "gcs": "set GOOGLE_APPLICATION_CREDENTIALS or run `gcloud auth application-default login`",
+}
+# Words object-store clients put in credential errors (botocore NoCredentialsError, S3 error codes, ...).
+_CREDENTIAL_MARKERS = ("credential", "invalidaccesskeyid", "signaturedoesnotmatch", "expiredtoken",
+                       "invalidtoken", "unauthorized", "unable to locate")
+
+
+def open_storage(url: str) -> CheckpointStorage:
+    """Resolve ``url`` to a :class:`CheckpointStorage` without touching the network.
+
+    Raises ConfigError for an empty URL, an unknown scheme, or a scheme whose fsspec package (e.g. s3fs)
+    is not installed; the message names the pip package.
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError(KEY, url, f"{_SCHEMES_HINT}", "is empty")
+    scheme = url_scheme(url)
+    try:
+        return CheckpointStorage(url)
+    except ImportError as e:
+        pkg = missing_package_for(scheme) or scheme
+        raise ConfigError(KEY, url, f"pip install {pkg}", f"needs the package '{pkg}', which is not installed") from e
+    except ValueError as e:
+        if "protocol not known" in str(e).lower():
+            raise ConfigError(KEY, url, _SCHEMES_HINT, f"has an unknown filesystem scheme '{scheme}://'") from e
+        raise ConfigError(KEY, url, _SCHEMES_HINT, f"cannot be parsed ({e})") from e
+
+
+def preflight_storage(url: str) -> CheckpointStorage:
+    """Resolve ``url``, create its directory where directories exist, write and delete a probe file.
+
+    Returns the storage on success. Raises ConfigError (exit 2) for: unknown scheme, missing package,
+    missing bucket, missing or invalid credentials, not writable. Never creates a bucket.
+    """
+    storage = open_storage(url)
+    scheme = url_scheme(url)
+    probe = f".orch_probe_{uuid.uuid4().hex}"
+    try:
+        storage.makedirs()
+        storage.write_bytes(probe, b"orch preflight probe\n")
+        storage.remove_file(probe)
+    except Exception as e:  # noqa: BLE001 - every failure here is turned into one user-facing line
+        raise _classify(url, scheme, storage, e) from e
+    return storage
+
+
+def _classify(url: str, scheme: str, storage: CheckpointStorage, err: Exception) -> ConfigError:
+    # s3fs turns S3 error codes into OSError subclasses with only the server's message; the code itself
+    # (InvalidAccessKeyId, NoSuchBucket, ...) survives in the chained botocore ClientError.
+    chain, cause = [], err
+    while cause is not None and len(chain) < 5:
+        chain.append(f"{type(cause).__name__} {cause}")
+        cause = cause.__cause__ or cause.__context__
+    text = " ".join(chain).lower()
+    detail = f"{type(err).__name__}: {err}".replace("\n", " ")
+    if not storage.is_local and any(m in text for m in _CREDENTIAL_MARKERS):
+        fix = _CREDENTIAL_HINTS.get(scheme, "configure credentials for this storage")
+        return ConfigError(KEY, url, fix, f"cannot be reached: missing or invalid credentials ({detail})")
+    if (not storage.is_local and isinstance(err, FileNotFoundError)) or "nosuchbucket" in text:
+        bucket = url.split("://", 1)[-1].split("/", 1)[0]
+        return ConfigError(
+            KEY, url, f"create the bucket '{bucket}' or point {KEY} at an existing one",
+            f"names a bucket that does not exist ({bucket})",
+        )
+    return ConfigError(
+        KEY, url, "choose a location this process can write to, or fix its permissions",
+        f"is not writable ({detail})",
+    )

@@ -1,0 +1,53 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    """A real S3 API: moto's server on loopback, on a port the OS picked. Yields its endpoint URL."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_env(moto_server, monkeypatch, tmp_path):
+    """Point botocore (hence s3fs) at the moto server through standard AWS environment variables only, so
+    code under test uses plain ``s3://bucket/prefix`` URLs. Yields the endpoint URL."""
+    s3fs = pytest.importorskip("s3fs")
+    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    # Never read the developer's real ~/.aws files or probe a cloud metadata service from a test.
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.fspath(tmp_path / "no-aws-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.fspath(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    # fsspec caches filesystem instances (and their credentials) across tests: start each test fresh.
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield moto_server
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def s3_bucket(s3_env):
+    """A fresh, empty bucket on the moto server; yields its name."""
+    import s3fs
+
+    name = f"orch-test-{uuid.uuid4().hex[:12]}"
+    s3fs.S3FileSystem().mkdir(name)
+    yield name

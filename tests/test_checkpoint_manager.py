@@ -1,0 +1,410 @@
+"""CheckpointManager on a real local filesystem (and memory://): roundtrip, crash safety, corruption,
+retention, failure reporting, preflight and safe loading. No fsspec mocks."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import threading
+import warnings
+
+import pytest
+import torch
+
+from orchestrator.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    FileEntry,
+    format_checkpoint_detail,
+    format_checkpoint_list,
+    step_dirname,
+)
+from orchestrator.checkpoint.manifest import build_manifest, encode_manifest, sha256_hex
+from orchestrator.errors import UserError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def make_state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        model.weight.copy_(torch.randn(3, 4, generator=g))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4, generator=g)).sum().backward()
+    optim.step()
+    return {
+        "model": model.state_dict(),
+        "optim": optim.state_dict(),
+        "trainer": {"step": seed, "loss": 0.25 * seed, "name": "run-a", "done": False, "best": None,
+                    "shape": (3, 4), "history": [1, 2.5, "x"], "dtype": torch.float32},
+        "rng": {"torch": torch.get_rng_state()},
+    }
+
+
+def assert_same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and b.device.type == "cpu" and torch.equal(a.cpu(), b)
+    elif isinstance(a, dict):
+        assert type(a) is type(b) and a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b and type(a) is type(b)
+
+
+class Events:
+    def __init__(self):
+        self.items: list[tuple[str, dict, str]] = []
+
+    def __call__(self, name: str, fields: dict) -> None:
+        self.items.append((name, fields, threading.current_thread().name))
+
+    def named(self, name: str) -> list[dict]:
+        return [f for n, f, _ in self.items if n == name]
+
+
+def corrupt_one_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, io.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_roundtrip_returns_stall_and_emits_saved(tmp_path, async_save):
+    events = Events()
+    mgr = CheckpointManager(str(tmp_path / "ck"), async_save=async_save, on_event=events)
+    mgr.preflight()
+    state = make_state(7)
+    stall = mgr.save(7, state, {"config_fingerprint": "cafe", "world_size": 2})
+    mgr.wait()
+    assert isinstance(stall, float) and stall > 0
+
+    loaded = mgr.load()
+    assert loaded.step == 7 and loaded.metadata == {"config_fingerprint": "cafe", "world_size": 2}
+    assert_same(state, loaded.state)
+
+    (saved,) = events.named("checkpoint_saved")
+    assert saved["step"] == 7 and saved["async"] is async_save and saved["bytes"] > 0
+    assert saved["write_s"] > 0 and saved["url"].endswith("/ck/step_000000007")
+    if async_save:
+        assert saved["stall_s"] == stall  # the event reports exactly what save() returned
+        (thread,) = [t for n, _, t in events.items if n == "checkpoint_saved"]
+        assert thread != threading.current_thread().name  # committed from the background writer
+    else:
+        assert 0 < saved["stall_s"] <= stall
+
+
+def test_async_save_copies_state_before_returning(tmp_path):
+    mgr = CheckpointManager(str(tmp_path / "ck"), async_save=True)
+    weights = torch.ones(1000)
+    mgr.save(1, {"model": {"w": weights}}, {})
+    weights.add_(41)  # training mutates parameters in place right after save() returns
+    mgr.wait()
+    assert torch.equal(mgr.load().state["model"]["w"], torch.ones(1000))
+
+
+def test_reused_staging_buffers_do_not_leak_into_earlier_checkpoints(tmp_path):
+    mgr = CheckpointManager(str(tmp_path / "ck"), keep_last=5, async_save=True)
+    for step in range(1, 4):
+        mgr.save(step, {"model": {"w": torch.full((64,), float(step))}}, {})
+    mgr.wait()
+    for step in range(1, 4):
+        assert torch.equal(mgr.load(step).state["model"]["w"], torch.full((64,), float(step)))
+
+
+def test_payload_files_load_with_weights_only(tmp_path):
+    mgr = CheckpointManager(str(tmp_path / "ck"), async_save=False)
+    state = make_state(3)
+    mgr.save(3, state, {})
+    for name in state:
+        with open(tmp_path / "ck" / step_dirname(3) / f"{name}.pt", "rb") as f:
+            assert_same(state[name], torch.load(f, weights_only=True))
+
+
+_KILLED_WRITER = r"""
+import sys, time, torch
+from orchestrator.checkpoint import CheckpointManager
+from orchestrator.checkpoint import storage
+
+real_write = storage.CheckpointStorage.write_bytes
+
+def write_bytes(self, relpath, data):
+    # Hold the process between the last payload and the manifest so the test can SIGKILL it there.
+    if relpath == "step_000000002/manifest.json":
+        print("PAYLOADS_WRITTEN", flush=True)
+        time.sleep(120)
+    return real_write(self, relpath, data)
+
+storage.CheckpointStorage.write_bytes = write_bytes
+mgr = CheckpointManager(sys.argv[1], async_save=False)
+mgr.save(1, {"model": {"w": torch.full((8,), 1.0)}}, {"n": 1})
+mgr.save(2, {"model": {"w": torch.full((8,), 2.0)}}, {"n": 2})
+print("NOT KILLED", flush=True)
+"""
+
+
+def test_writer_killed_before_manifest_leaves_previous_checkpoint_loadable(tmp_path):
+    url = str(tmp_path / "ck")
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, url], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "PAYLOADS_WRITTEN"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL
+    step2 = tmp_path / "ck" / step_dirname(2)
+    assert (step2 / "model.pt").exists() and not (step2 / "manifest.json").exists()
+
+    events = Events()
+    mgr = CheckpointManager(url, on_event=events)
+    infos = mgr.list()
+    assert [(i.step, i.valid) for i in infos] == [(1, True), (2, False)]
+    assert "manifest" in infos[1].reason
+    assert mgr.latest_valid_step() == 1
+    with pytest.warns(RuntimeWarning, match="step_000000002.*manifest"):
+        loaded = mgr.load()
+    assert loaded.step == 1 and torch.equal(loaded.state["model"]["w"], torch.full((8,), 1.0))
+    assert events.named("checkpoint_skipped") == [
+        {"step": 2, "reason": infos[1].reason, "url": infos[1].url}
+    ]
+    with pytest.raises(CheckpointError, match="manifest"):
+        mgr.load(2)
+
+
+def test_corrupt_payload_is_detected_by_checksum_and_skipped(tmp_path):
+    events = Events()
+    mgr = CheckpointManager(str(tmp_path / "ck"), async_save=False, on_event=events)
+    mgr.save(1, {"model": {"w": torch.zeros(256)}}, {})
+    mgr.save(2, {"model": {"w": torch.ones(256)}}, {})
+    corrupt_one_byte(str(tmp_path / "ck" / step_dirname(2) / "model.pt"))
+
+    assert [i.valid for i in mgr.list()] == [True, True]  # same size: only the checksum can tell
+    with pytest.warns(RuntimeWarning, match="checksum mismatch"):
+        loaded = mgr.load()
+    assert loaded.step == 1 and torch.equal(loaded.state["model"]["w"], torch.zeros(256))
+    (skipped,) = events.named("checkpoint_skipped")
+    assert skipped["step"] == 2 and "checksum mismatch for model.pt" in skipped["reason"]
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        mgr.load(2)
+    assert "bad: checksum mismatch" in format_checkpoint_detail(str(tmp_path / "ck" / step_dirname(2)))
+
+
+def test_truncated_payload_makes_checkpoint_invalid(tmp_path):
+    mgr = CheckpointManager(str(tmp_path / "ck"), async_save=False)
+    mgr.save(1, {"model": {"w": torch.zeros(16)}}, {})
+    mgr.save(2, {"model": {"w": torch.ones(16)}}, {})
+    path = tmp_path / "ck" / step_dirname(2) / "model.pt"
+    path.write_bytes(path.read_bytes()[:-10])
+    info = mgr.list()[-1]
+    assert not info.valid and "size mismatch" in info.reason
+    with pytest.warns(RuntimeWarning, match="size mismatch"):
+        assert mgr.load().step == 1
+
+
+def test_retention_keeps_exactly_keep_last(tmp_path):
+    mgr = CheckpointManager(str(tmp_path / "ck"), keep_last=2, async_save=True)
+    for step in range(1, 6):
+        mgr.save(step, {"model": {"w": torch.full((4,), float(step))}}, {})
+    mgr.wait()
+    assert [(i.step, i.valid) for i in mgr.list()] == [(4, True), (5, True)]
+    assert sorted(os.listdir(tmp_path / "ck")) == [step_dirname(4), step_dirname(5)]
+
+
+def test_retention_never_deletes_newest_valid_even_with_later_incomplete_dirs(tmp_path):
+    root = tmp_path / "ck"
+    mgr = CheckpointManager(str(root), keep_last=1, async_save=False)
+    mgr.save(1, {"model": {"w": torch.zeros(4)}}, {})
+    for step in (0, 9):  # an older and a newer directory without a manifest (crashed writers)
+        (root / step_dirname(step)).mkdir()
+        (root / step_dirname(step) / "model.pt").write_bytes(b"partial")
+    mgr.save(2, {"model": {"w": torch.ones(4)}}, {})
+    assert [(i.step, i.valid) for i in mgr.list()] == [(2, True), (9, False)]
+    with pytest.warns(RuntimeWarning, match="step_000000009"):
+        assert mgr.load().step == 2
+
+
+def test_background_failure_surfaces_on_next_save_and_wait(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the checkpoint directory should be")
+    events = Events()
+    mgr = CheckpointManager(str(blocker / "ck"), async_save=True, on_event=events)
+
+    mgr.save(1, {"model": {"w": torch.zeros(4)}}, {})  # returns at once; the write fails in the thread
+    with pytest.raises(CheckpointError, match="step 1"):
+        mgr.save(2, {"model": {"w": torch.zeros(4)}}, {})
+    (failed,) = events.named("checkpoint_failed")
+    assert failed["step"] == 1 and failed["async"] is True and failed["error"]
+    assert events.named("checkpoint_saved") == []
+
+    mgr.save(3, {"model": {"w": torch.zeros(4)}}, {})
+    with pytest.raises(CheckpointError, match="step 3"):
+        mgr.wait()
+    mgr.wait()  # the failure is reported once, then the manager is usable again
+
+    blocker.unlink()
+    mgr.save(4, {"model": {"w": torch.ones(4)}}, {})
+    mgr.wait()
+    assert mgr.load().step == 4
+
+
+def test_sync_failure_raises_from_save(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    events = Events()
+    mgr = CheckpointManager(str(blocker / "ck"), async_save=False, on_event=events)
+    with pytest.raises(CheckpointError, match="step 1"):
+        mgr.save(1, {"model": {"w": torch.zeros(4)}}, {})
+    assert [f["step"] for f in events.named("checkpoint_failed")] == [1]
+
+
+def test_preflight_unknown_scheme_is_a_user_error():
+    with pytest.raises(UserError) as exc:
+        CheckpointManager("foo://x").preflight()
+    msg = str(exc.value)
+    assert exc.value.exit_code == 2 and "\n" not in msg
+    assert "checkpoint.url='foo://x'" in msg and "unknown filesystem scheme" in msg and "Fix:" in msg
+
+
+def test_preflight_unwritable_local_path_is_a_user_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    url = str(blocker / "ck")
+    with pytest.raises(UserError) as exc:
+        CheckpointManager(url).preflight()
+    assert exc.value.exit_code == 2 and "\n" not in str(exc.value)
+    assert f"checkpoint.url={url!r} is not writable" in str(exc.value)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+def test_preflight_read_only_directory_is_a_user_error(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        with pytest.raises(UserError, match="not writable"):
+            CheckpointManager(str(ro)).preflight()
+    finally:
+        ro.chmod(0o755)
+
+
+def test_preflight_missing_package_names_it():
+    try:
+        import gcsfs  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("gcsfs is installed")
+    with pytest.raises(UserError, match="pip install gcsfs"):
+        CheckpointManager("gs://bucket/run").preflight()
+
+
+def test_preflight_creates_dir_and_leaves_no_probe(tmp_path):
+    root = tmp_path / "a" / "b"
+    CheckpointManager(f"file://{root}").preflight()
+    assert root.is_dir() and os.listdir(root) == []
+
+
+class _Exploit:
+    def __init__(self, target: str):
+        self.target = target
+
+    def __reduce__(self):
+        return (os.mkdir, (self.target,))
+
+
+def test_loading_never_executes_pickled_code(tmp_path):
+    root = tmp_path / "ck"
+    mgr = CheckpointManager(str(root), async_save=False)
+    mgr.save(1, {"model": {"w": torch.zeros(4)}}, {})
+    # A hand-made checkpoint whose payload would run os.mkdir when unpickled without weights_only.
+    marker = tmp_path / "pwned"
+    buf = io.BytesIO()
+    torch.save({"w": _Exploit(str(marker))}, buf)
+    data = buf.getvalue()
+    stepdir = root / step_dirname(2)
+    stepdir.mkdir()
+    (stepdir / "model.pt").write_bytes(data)
+    manifest = build_manifest(2, {"model.pt": FileEntry(len(data), sha256_hex(data))}, {})
+    (stepdir / "manifest.json").write_bytes(encode_manifest(manifest))
+
+    with pytest.raises(CheckpointError, match="weights_only"):
+        mgr.load(2)
+    with pytest.warns(RuntimeWarning, match="weights_only"):
+        assert mgr.load().step == 1
+    assert not marker.exists()
+
+
+def test_save_refuses_state_that_weights_only_cannot_load(tmp_path):
+    mgr = CheckpointManager(str(tmp_path / "ck"), async_save=True)
+    with pytest.raises(CheckpointError, match=r"state\['trainer'\]\['obj'\].*weights_only"):
+        mgr.save(1, {"trainer": {"obj": _Exploit("x")}}, {})
+    with pytest.raises(CheckpointError, match="JSON"):
+        mgr.save(1, {"model": {"w": torch.zeros(1)}}, {"bad": object()})
+    with pytest.raises(CheckpointError, match="payload name"):
+        mgr.save(1, {"../evil": {"w": torch.zeros(1)}}, {})
+    assert mgr.list() == []
+
+
+def test_load_with_nothing_and_unknown_step(tmp_path):
+    mgr = CheckpointManager(str(tmp_path / "ck"))
+    assert mgr.load() is None and mgr.list() == [] and mgr.latest_valid_step() is None
+    with pytest.raises(CheckpointError, match="no checkpoint at step 5"):
+        mgr.load(5)
+
+
+def test_keep_last_must_be_positive():
+    with pytest.raises(UserError, match="checkpoint.keep_last"):
+        CheckpointManager("memory://x", keep_last=0)
+
+
+def test_memory_url_and_inspect_views(tmp_path):
+    url = f"memory://orch-test-{os.getpid()}-{id(tmp_path)}/run"
+    mgr = CheckpointManager(url, keep_last=3, async_save=False)
+    try:
+        mgr.preflight()
+        mgr.save(12, {"model": {"w": torch.zeros(4)}}, {"config_fingerprint": "f00d", "lr": 0.1})
+        listing = format_checkpoint_list(url)
+        assert "12" in listing and "yes" in listing and "f00d" in listing
+        for target in (url, f"{url}/{step_dirname(12)}", f"{url}/{step_dirname(12)}/"):
+            detail = format_checkpoint_detail(target)
+            assert f"{url}/step_000000012" in detail and "model.pt" in detail and " ok" in detail
+            assert '"config_fingerprint": "f00d"' in detail
+        with pytest.raises(UserError, match="step_000000013"):
+            format_checkpoint_detail(f"{url}/{step_dirname(13)}")
+    finally:
+        mgr.storage.fs.rm(mgr.storage.root, recursive=True)
+
+
+def test_resave_same_step_replaces_it(tmp_path):
+    mgr = CheckpointManager(str(tmp_path / "ck"), async_save=False)
+    mgr.save(1, {"model": {"w": torch.zeros(4)}, "extra": {"x": 1}}, {"v": 1})
+    mgr.save(1, {"model": {"w": torch.ones(4)}}, {"v": 2})
+    loaded = mgr.load(1)
+    assert set(loaded.state) == {"model"} and loaded.metadata == {"v": 2}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(mgr.load().state["model"]["w"], torch.ones(4))
+
+
+def test_ckpt_bench_smoke(tmp_path):
+    from orchestrator.bench.ckpt import main_ckpt_bench
+
+    out = tmp_path / "bench.json"
+    result = main_ckpt_bench(str(out), size_mb=1)
+    assert set(result) == {"sync_stall_s", "async_stall_s", "ratio", "state_mb"}
+    assert 0.5 < result["state_mb"] < 2 and result["sync_stall_s"] > 0 and result["async_stall_s"] > 0
+    assert out.read_text().startswith("{")
