@@ -21,7 +21,7 @@ from orchestrator.plan.plan import PLAN_FILE, build_plan
 from orchestrator.rendezvous import RendezvousStore
 from orchestrator.report.runlog import EventLog
 
-NODES_FILE = "nodes.json"  # node -> agent PID, read by `orch chaos kill-node`
+from orchestrator.chaos import NODES_FILE  # node -> agent PID, read by `orch chaos kill-node`
 EXIT_BARRIER_GRACE_S = 10.0
 
 

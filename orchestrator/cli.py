@@ -66,6 +66,35 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return main_doctor(json_out=args.json)
 
 
+def cmd_chaos_kill_node(args: argparse.Namespace) -> int:
+    from orchestrator.chaos import kill_node
+
+    pids = kill_node(args.run_dir, args.node)
+    print(f"killed node {args.node}: {len(pids)} process(es) {pids}")
+    return 0
+
+
+def cmd_ckpt_list(args: argparse.Namespace) -> int:
+    from orchestrator.checkpoint import format_checkpoint_list
+
+    print(format_checkpoint_list(args.url))
+    return 0
+
+
+def cmd_ckpt_inspect(args: argparse.Namespace) -> int:
+    from orchestrator.checkpoint import format_checkpoint_detail
+
+    print(format_checkpoint_detail(args.url))
+    return 0
+
+
+def cmd_bench_ckpt(args: argparse.Namespace) -> int:
+    from orchestrator.bench.ckpt import main_ckpt_bench
+
+    main_ckpt_bench(out=args.out, size_mb=args.size_mb)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="orch", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -84,6 +113,29 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="check torch, CUDA/NCCL/gloo, shared memory, Ray and free ports")
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
     p.set_defaults(func=cmd_doctor)
+
+    chaos = sub.add_parser("chaos", help="fault-injection drills against a running launch").add_subparsers(
+        dest="chaos_command", required=True)
+    p = chaos.add_parser("kill-node", help="kill one node of a running launch: its agent and every worker under it")
+    p.add_argument("run_dir", help="the run dir of a running launch")
+    p.add_argument("--node", type=int, required=True, help="the node index (see the run dir's nodes.json)")
+    p.set_defaults(func=cmd_chaos_kill_node)
+
+    ckpt = sub.add_parser("ckpt", help="list and inspect checkpoints at any fsspec URL").add_subparsers(
+        dest="ckpt_command", required=True)
+    p = ckpt.add_parser("list", help="steps, sizes, validity and config fingerprints under URL")
+    p.add_argument("url")
+    p.set_defaults(func=cmd_ckpt_list)
+    p = ckpt.add_parser("inspect", help="files, checksums and metadata of URL/step_N (or the newest under URL)")
+    p.add_argument("url")
+    p.set_defaults(func=cmd_ckpt_inspect)
+
+    bench = sub.add_parser("bench", help="side-by-side measurements that print ratios").add_subparsers(
+        dest="bench_command", required=True)
+    p = bench.add_parser("ckpt", help="training stall per checkpoint: sync vs async save of the same state")
+    p.add_argument("--out", help="write the result as JSON to this file")
+    p.add_argument("--size-mb", type=float, default=100.0, help="model + optimizer state size (default 100)")
+    p.set_defaults(func=cmd_bench_ckpt)
     return parser
 
 

@@ -37,6 +37,23 @@ def write_config(cfg: OrchConfig, run_dir: str) -> None:
     (Path(run_dir) / CONFIG_FILE).write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
 
 
+def checkpoint_url(cfg: OrchConfig) -> str:
+    """Where this run's checkpoints go: ``checkpoint.url``, or ``<run.dir>/checkpoints``."""
+    return cfg.checkpoint.url or f"{cfg.run.dir}/checkpoints"
+
+
+def preflight_checkpoints(cfg: OrchConfig) -> None:
+    """Prove the checkpoint URL is writable before anything starts (exit 2 with the fix if not).
+
+    The default URL lives inside the run dir, which does not exist yet: probing it would create the run dir,
+    so only an explicit URL is probed; the run dir itself is created right after.
+    """
+    if cfg.checkpoint.url:
+        from orchestrator.checkpoint import preflight_storage
+
+        preflight_storage(cfg.checkpoint.url)
+
+
 def launch(cfg: OrchConfig, dry_run: bool = False, echo: Optional[TextIO] = sys.stdout) -> dict:
     """Run ``cfg`` (or print its plan when ``dry_run``); returns the summary. Raises RunFailed on failure."""
     cfg.run.dir = resolve_run_dir(cfg)
@@ -46,6 +63,7 @@ def launch(cfg: OrchConfig, dry_run: bool = False, echo: Optional[TextIO] = sys.
         print(plan.format_text(), file=echo or sys.stdout)
         return {"status": "dry-run", "plan": plan}
     check_local_resources(plan)
+    preflight_checkpoints(cfg)
     write_config(cfg, cfg.run.dir)
     status = _launcher(cfg, run_id, echo).run()
     summary = write_summary(cfg.run.dir)

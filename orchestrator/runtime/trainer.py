@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from orchestrator.config.schema import OrchConfig
 from orchestrator.report.runlog import METRICS_FILE, EventLog, append_jsonl
+from orchestrator.runtime.checkpointing import TrainingCheckpoints
 from orchestrator.runtime.distributed import DistContext, select_device
 from orchestrator.runtime.precision import MixedPrecision
 from orchestrator.runtime.sampler import GlobalBatchSampler
@@ -65,7 +66,7 @@ class Trainer:
         self.precision = MixedPrecision(cfg.amp.enabled, cfg.amp.dtype, self.device)
         self.dataset = instantiate(cfg.data.dataset, _convert_="all")
         self.progress = Progress()
-        self.checkpoints = None  # set by attach_checkpoints (the checkpoint issue wires it in train.py)
+        self.checkpoints = TrainingCheckpoints(self, cfg.checkpoint.url or f"{run_dir}/checkpoints")
         self.last_loss: Optional[float] = None
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -98,6 +99,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train to max_steps; returns what rank 0 reports as the training result."""
         t = self.cfg.trainer
+        self.checkpoints.restore()
         sampler, loader = self._loader()
         batches = iter(loader)
         print(f"[rank{self.ctx.rank}] world size {self.ctx.world_size}, {sampler.accumulation_steps} accumulation "
@@ -144,7 +146,8 @@ class Trainer:
         return total, sample_ids
 
     def after_step(self) -> None:
-        """Hook at every step boundary (periodic checkpoints, preemption checks)."""
+        """Work at every step boundary: periodic checkpoints (and, later, preemption checks)."""
+        self.checkpoints.maybe_save()
 
     def _log_metrics(self, loss: torch.Tensor, window_s: float, window_steps: int, step_time_s: float) -> None:
         # The all-reduce runs only on logging steps, which every rank agrees on, to keep the loop lean.
@@ -174,6 +177,7 @@ class Trainer:
                                 "restart_count": self.ctx.restart_count})
 
     def finish(self) -> dict[str, Any]:
+        self.checkpoints.finish()
         result = {"steps_completed": self.progress.step, "final_loss": self.last_loss,
                   "params_sha256": params_sha256(self.raw_model), "world_size": self.ctx.world_size,
                   "progress": asdict(self.progress)}
