@@ -69,7 +69,7 @@ def check_model_fits(checkpoint_model: dict[str, torch.Tensor], model: torch.nn.
     reshaped = sorted(f"{k} {tuple(checkpoint_model[k].shape)}->{tuple(current[k].shape)}"
                       for k in set(current) & set(checkpoint_model) if checkpoint_model[k].shape != current[k].shape)
     if missing or unexpected or reshaped:
-        parts = [f"{name}: {', '.join(keys[:20])}{' ...' if len(keys) > 20 else ''}"
+        parts = [f"{name} ({len(keys)}): {', '.join(keys[:20])}{' ...' if len(keys) > 20 else ''}"
                  for name, keys in (("missing", missing), ("unexpected", unexpected), ("shape changed", reshaped))
                  if keys]
         raise CheckpointError(f"checkpoint step {step} does not fit the model ({'; '.join(parts)}). Fix: resume with "
