@@ -258,6 +258,57 @@ class RunConfig:
     """The run dir; ``null`` means ``runs/<preset>/<timestamp>/``."""
 
 
+PREEMPTION_SOURCES = ("sigterm", "aws", "gcp", "azure", "chaos")
+
+
+@dataclass
+class PreemptionScheduleConfig:
+    """Drills: deliver a preemption notice to a node on a fixed period (benchmarks, fire drills)."""
+
+    every_s: Optional[float] = None
+    """Seconds between scheduled preemptions; ``null`` disables the schedule."""
+    node: Optional[int] = None
+    """The node to preempt; ``null`` picks a random live node each time."""
+    grace_s: float = 30.0
+    """Seconds between the notice and the hard kill of the node, if it is still alive."""
+    max_count: Optional[int] = None
+    """Stop after this many scheduled preemptions; ``null``: no limit."""
+
+    def __post_init__(self) -> None:
+        if self.every_s is not None:
+            _require("preemption.schedule.every_s", self.every_s, self.every_s > 0, "use a positive period or null")
+        _require("preemption.schedule.grace_s", self.grace_s, self.grace_s >= 0, "use 0 or more seconds")
+
+
+@dataclass
+class PreemptionConfig:
+    """Spot/preemption notices: where they come from, and the grace period the save must fit in."""
+
+    sources: list = field(default_factory=lambda: ["sigterm", "chaos"])
+    """Notice sources, several at once: sigterm (Kubernetes, generic), aws (EC2 spot instance-action via
+    IMDSv2), gcp (metadata instance/preempted), azure (Scheduled Events Preempt), chaos (`orch chaos preempt`)."""
+    grace_period_s: float = 30.0
+    """Expected time from notice to hard kill (Kubernetes terminationGracePeriodSeconds, ~30 s on GCP, ~120 s
+    on AWS). A save that looks longer than what is left is still attempted, with a warning event."""
+    poll_interval_s: float = 1.0
+    """How often the cloud metadata sources are polled."""
+    aws_endpoint: str = "http://169.254.169.254"
+    """EC2 instance metadata service (IMDSv2)."""
+    gcp_endpoint: str = "http://metadata.google.internal"
+    """GCE metadata server."""
+    azure_endpoint: str = "http://169.254.169.254"
+    """Azure instance metadata service (Scheduled Events)."""
+    replace_nodes: bool = True
+    """Local launcher only: start a replacement for a preempted simulated node (spot capacity coming back)."""
+    schedule: PreemptionScheduleConfig = field(default_factory=PreemptionScheduleConfig)
+
+    def __post_init__(self) -> None:
+        for source in self.sources:
+            _one_of("preemption.sources", source, PREEMPTION_SOURCES)
+        _require("preemption.grace_period_s", self.grace_period_s, self.grace_period_s > 0, "use a positive number")
+        _require("preemption.poll_interval_s", self.poll_interval_s, self.poll_interval_s > 0, "use a positive number")
+
+
 @dataclass
 class OrchConfig:
     """The whole configuration of one launch, as composed from a preset and overrides."""
@@ -279,6 +330,7 @@ class OrchConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     entrypoint: EntrypointConfig = field(default_factory=EntrypointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
 
     def __post_init__(self) -> None:
         _one_of("launcher", self.launcher, LAUNCHERS)
