@@ -2,7 +2,9 @@
 
 It hosts the rendezvous store itself (agents use ``is_host=false``), so killing any simulated node never
 takes rendezvous down; with an elastic ``cluster.nnodes=MIN:MAX`` the survivors re-rendezvous and go on.
-Inside a Kubernetes pod it runs the one node of that pod. No Ray.
+A preempted simulated node (one that got a notice and left after the emergency checkpoint) is replaced by
+a fresh agent when ``preemption.replace_nodes``, as spot capacity coming back would be. Inside a Kubernetes
+pod it runs the one node of that pod. No Ray.
 """
 
 from __future__ import annotations
@@ -16,45 +18,47 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 from launchers.processes import NodeProcess, terminate_tree
+from orchestrator.chaos import NODES_FILE, PreemptionDrill
 from orchestrator.config.schema import OrchConfig
-from orchestrator.plan.plan import PLAN_FILE, build_plan
+from orchestrator.plan.plan import PLAN_FILE, LaunchPlan, build_plan
 from orchestrator.rendezvous import RendezvousStore
 from orchestrator.report.runlog import EventLog
 
-from orchestrator.chaos import NODES_FILE  # node -> agent PID, read by `orch chaos kill-node`
 EXIT_BARRIER_GRACE_S = 10.0
 
 
 class LocalLauncher:
-    """Runs ``cfg`` as ``cluster.max_nodes`` simulated nodes; ``run()`` returns the run's status string."""
+    """Runs ``cfg`` as simulated nodes ``nodes`` (default: all of ``cluster.max_nodes``); ``run()`` returns the
+    run's status: succeeded, failed, interrupted (SIGINT) or preempted (SIGTERM to the launcher itself)."""
 
     def __init__(self, cfg: OrchConfig, run_dir: str, run_id: str, echo: Optional[TextIO] = sys.stdout,
                  nodes: Optional[list[int]] = None):
         self.cfg, self.run_dir, self.run_id, self.echo = cfg, Path(run_dir), run_id, echo
         self.node_ids = nodes if nodes is not None else list(range(cfg.cluster.max_nodes))
         self.events = EventLog(run_dir)
-        self._stop = threading.Event()
+        self.agents: dict[int, NodeProcess] = {}
+        self.started_at: dict[int, float] = {}
+        self._signal: Optional[int] = None
+        self._plan: Optional[LaunchPlan] = None
 
     def run(self) -> str:
         store = RendezvousStore(self.cfg.rendezvous.host, self.cfg.rendezvous.port)
-        plan = build_plan(self.cfg, str(self.run_dir), self.run_id, store_port=store.port)
-        (self.run_dir / PLAN_FILE).write_text(plan.to_json() + "\n")
-        self.events.emit("launch_started", preset=plan.preset, run_id=self.run_id, launcher="local",
-                         nodes=len(self.node_ids), rendezvous_endpoint=plan.rendezvous_endpoint)
-        agents: dict[int, NodeProcess] = {}
-        previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        self._plan = build_plan(self.cfg, str(self.run_dir), self.run_id, store_port=store.port)
+        (self.run_dir / PLAN_FILE).write_text(self._plan.to_json() + "\n")
+        self.events.emit("launch_started", preset=self._plan.preset, run_id=self.run_id, launcher="local",
+                         nodes=len(self.node_ids), rendezvous_endpoint=self._plan.rendezvous_endpoint)
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        drill = PreemptionDrill(str(self.run_dir), self.cfg.preemption.schedule)
         try:
             for node in self.node_ids:
-                spec = plan.nodes[node]
-                agents[node] = NodeProcess(node, spec.argv, spec.env, self.run_dir / "logs" / f"node{node}.log",
-                                           echo=self.echo)
-                self.events.emit("node_started", node=node, pid=agents[node].pid)
-            self._write_nodes(agents)
-            exits = self._monitor(agents)
+                self._start_agent(node)
+            drill.start()
+            exits = self._monitor()
         finally:
+            drill.stop()
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            for agent in agents.values():
+            for agent in self.agents.values():
                 if agent.poll() is None:
                     terminate_tree(agent.pid)
             store.close()
@@ -62,74 +66,108 @@ class LocalLauncher:
         self.events.emit("run_finished", status=status, node_exit_codes=exits)
         return status
 
-    def _request_stop(self, signum, frame) -> None:
-        self._stop.set()
+    def _on_signal(self, signum, frame) -> None:
+        self._signal = signum
 
-    def _write_nodes(self, agents: dict[int, NodeProcess]) -> None:
-        (self.run_dir / NODES_FILE).write_text(json.dumps({str(n): a.pid for n, a in agents.items()}) + "\n")
+    def _start_agent(self, node: int, replacement: bool = False) -> None:
+        spec = self._plan.nodes[node]
+        self.agents[node] = NodeProcess(node, spec.argv, spec.env, self.run_dir / "logs" / f"node{node}.log",
+                                        echo=self.echo)
+        self.started_at[node] = time.time()
+        self.events.emit("node_started", node=node, pid=self.agents[node].pid, replacement=replacement)
+        (self.run_dir / NODES_FILE).write_text(json.dumps({str(n): a.pid for n, a in self.agents.items()}) + "\n")
 
-    def _monitor(self, agents: dict[int, NodeProcess]) -> dict[int, int]:
-        """Wait for every agent; log each exit as node_finished, node_lost (signal) or node_failed."""
+    def _monitor(self) -> dict[int, int]:
+        """Wait until every node is done; classify each agent exit, replacing preempted nodes."""
         exits: dict[int, int] = {}
-        stopping = False
+        stopping: Optional[str] = None
         finished_at: Optional[float] = None
         next_check = 0.0
-        while len(exits) < len(agents):
-            if self._stop.is_set() and not stopping:
-                stopping = True
-                self.events.emit("interrupted", reason="the launcher got SIGINT/SIGTERM")
-                self._stop_agents(agents, exits)
+        while len(exits) < len(self.agents):
+            if self._signal is not None and stopping is None:
+                stopping = self._stop_on_signal(exits)
             now = time.monotonic()
-            if finished_at is None and now >= next_check and self.cfg.entrypoint.builtin:
+            if finished_at is None and now >= next_check:
                 next_check = now + 1.0
-                if any(e["event"] == "training_finished" for e in self._launch_events()):
+                if self._training_finished():
                     finished_at = now
             if finished_at is not None and exits and now - finished_at > EXIT_BARRIER_GRACE_S and not stopping:
                 # Training is done but an agent waits in torchrun's exit barrier (300 s, not configurable)
-                # for a peer that was lost after the last step: nothing is left to wait for.
-                stopping = True
-                self.events.emit("agents_stopped", reason="training finished; agents still waiting on lost peers")
-                self._stop_agents(agents, exits)
-            for node, agent in agents.items():
+                # for a peer that left after the last step: nothing is left to wait for.
+                stopping = "agents_stopped"
+                self.events.emit("agents_stopped", reason="training finished; agents still waiting on departed peers")
+                self._stop_agents(exits, grace_s=5.0)
+            for node, agent in list(self.agents.items()):
                 rc = agent.poll()
                 if node in exits or rc is None:
                     continue
                 agent.wait()
-                exits[node] = rc
-                self._record_exit(node, rc, stopping)
+                kind = self._record_exit(node, rc, stopping)
+                if kind == "preempted" and self.cfg.preemption.replace_nodes and not stopping and finished_at is None:
+                    self._start_agent(node, replacement=True)
+                else:
+                    exits[node] = rc
             time.sleep(0.1)
         return exits
 
-    def _stop_agents(self, agents: dict[int, NodeProcess], exits: dict[int, int]) -> None:
-        for node, agent in agents.items():
-            if node not in exits:
-                threading.Thread(target=terminate_tree, args=(agent.pid,), daemon=True).start()
+    def _stop_on_signal(self, exits: dict[int, int]) -> str:
+        if self._signal == signal.SIGTERM:
+            # Being evicted (a pod's SIGTERM): every node gets the notice, saves, and leaves within the grace.
+            self.events.emit("preemption_notice_forwarded", reason="the launcher got SIGTERM",
+                             grace_period_s=self.cfg.preemption.grace_period_s)
+            self._stop_agents(exits, grace_s=self.cfg.preemption.grace_period_s, sig=signal.SIGTERM, tree=False)
+            return "preempted"
+        self.events.emit("interrupted", reason="the launcher got SIGINT")
+        self._stop_agents(exits, grace_s=10.0)
+        return "interrupted"
 
-    def _record_exit(self, node: int, rc: int, stopping: bool) -> None:
+    def _stop_agents(self, exits: dict[int, int], grace_s: float, sig: int = signal.SIGTERM, tree: bool = True) -> None:
+        for node, agent in self.agents.items():
+            if node not in exits:
+                threading.Thread(target=terminate_tree, args=(agent.pid, grace_s, sig, tree), daemon=True).start()
+
+    def _record_exit(self, node: int, rc: int, stopping: Optional[str]) -> str:
+        """Log why ``node``'s agent ended; returns finished | stopped | preempted | lost | failed."""
         if rc == 0:
             self.events.emit("node_finished", node=node)
-        elif stopping:
+            return "finished"
+        if self._was_noticed(node):
+            self.events.emit("node_preempted", node=node, exit_code=rc)
+            return "preempted"
+        if stopping:
             self.events.emit("node_stopped", node=node, exit_code=rc)
-        elif rc < 0:
+            return "stopped"
+        if rc < 0:
             self.events.emit("node_lost", node=node, reason=f"agent killed by {signal.Signals(-rc).name}")
-        else:
-            self.events.emit("node_failed", node=node, exit_code=rc,
-                             reason=f"agent on node {node} exited with code {rc} (see logs/node{node}.log)")
+            return "lost"
+        self.events.emit("node_failed", node=node, exit_code=rc,
+                         reason=f"agent on node {node} exited with code {rc} (see logs/node{node}.log)")
+        return "failed"
 
     def _launch_events(self) -> list[dict]:
         events = self.events.read()
-        start = max(i for i, e in enumerate(events) if e["event"] == "launch_started")
-        return events[start:]
+        starts = [i for i, e in enumerate(events) if e["event"] == "launch_started"]
+        return events[starts[-1]:] if starts else events
+
+    def _was_noticed(self, node: int) -> bool:
+        since = self.started_at[node]
+        return any(e["event"] == "preemption_notice" and e.get("node") == node and e["t"] >= since
+                   for e in self._launch_events())
+
+    def _training_finished(self) -> bool:
+        return self.cfg.entrypoint.builtin and any(e["event"] == "training_finished" for e in self._launch_events())
 
     def _status(self, exits: dict[int, int]) -> str:
         launch = self._launch_events()
         if any(e["event"] == "interrupted" for e in launch):
             return "interrupted"
-        # A lost node is not a failure (the elastic job goes on without it); a node that failed is.
+        if any(e["event"] == "preemption_notice_forwarded" for e in launch) and not self._training_finished():
+            return "preempted"
+        # A lost or preempted node is not a failure (the elastic job goes on without it); a failed node is.
         stopped = any(e["event"] == "agents_stopped" for e in launch)
         completed = stopped or any(rc == 0 for rc in exits.values())
         if self.cfg.entrypoint.builtin:
-            completed = completed and any(e["event"] == "training_finished" for e in launch)
+            completed = completed and self._training_finished()
         else:
             completed = completed and all(rc <= 0 for rc in exits.values())
         return "succeeded" if completed else "failed"

@@ -37,10 +37,14 @@ def kill_tree(pid: int, sig: int = signal.SIGKILL) -> list[int]:
     return [p.pid for p in procs]
 
 
-def terminate_tree(pid: int, grace_s: float = 10.0) -> None:
-    """SIGTERM the tree, then SIGKILL whatever is still alive after ``grace_s``."""
+def terminate_tree(pid: int, grace_s: float = 10.0, sig: int = signal.SIGTERM, tree: bool = True) -> None:
+    """Send ``sig`` to the tree (or, with ``tree=False``, to ``pid`` alone, letting it stop its children),
+    then SIGKILL whatever of the tree is still alive after ``grace_s``."""
     procs = process_tree(pid)
-    kill_tree(pid, signal.SIGTERM)
+    if tree:
+        kill_tree(pid, sig)
+    elif procs:
+        procs[0].send_signal(sig)
     _, alive = psutil.wait_procs(procs, timeout=grace_s)
     for p in alive:
         try:

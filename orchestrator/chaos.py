@@ -33,3 +33,71 @@ def kill_node(run_dir: str, node: int, sig: int = signal.SIGKILL) -> list[int]:
         raise UserError(f"--node {node}: its agent (pid {pids[node]}) is not running. Fix: pick a live node")
     EventLog(run_dir).emit("chaos_kill", node=node, pids=killed, signal=signal.Signals(sig).name)
     return killed
+
+
+def notice_path(run_dir: str, node: int, agent_pid: int) -> Path:
+    """The chaos notice file of one agent: a replacement agent for the same node never sees it."""
+    return Path(run_dir) / "notices" / f"node{node}-{agent_pid}.json"
+
+
+def preempt_node(run_dir: str, node: int, grace_s: float = 30.0) -> dict:
+    """Deliver a preemption notice to ``node`` (the chaos source), then kill it after ``grace_s`` seconds if it
+    is still alive. Returns what happened: ``{"node", "left_in_s"}`` or ``{"node", "killed_pids"}``."""
+    import time
+
+    import psutil
+
+    pid = node_pids(run_dir).get(node)
+    if pid is None or not psutil.pid_exists(pid):
+        raise UserError(f"--node {node}: run dir {run_dir!r} has no live agent for it. Fix: pick a live node "
+                        f"(nodes.json lists {sorted(node_pids(run_dir))})")
+    path = notice_path(run_dir, node, pid)
+    path.parent.mkdir(exist_ok=True)
+    t0 = time.time()
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"t": t0, "grace_s": grace_s, "node": node, "agent_pid": pid}))
+    tmp.rename(path)  # whole or absent: pollers never read half a notice
+    EventLog(run_dir).emit("chaos_preempt", node=node, grace_s=grace_s, agent_pid=pid)
+    proc = psutil.Process(pid)
+    try:
+        proc.wait(timeout=grace_s)
+        return {"node": node, "left_in_s": time.time() - t0}
+    except psutil.TimeoutExpired:
+        return {"node": node, "killed_pids": kill_node(run_dir, node)}
+
+
+class PreemptionDrill:
+    """``preemption.schedule``: every ``every_s`` seconds, preempt a node (a random live one by default)."""
+
+    def __init__(self, run_dir: str, schedule):
+        import threading
+
+        self.run_dir, self.schedule = run_dir, schedule
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="orch-preemption-drill", daemon=True)
+
+    def start(self) -> None:
+        if self.schedule.every_s:
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        import random
+
+        import psutil
+
+        count = 0
+        while not self._stop.wait(self.schedule.every_s):
+            if self.schedule.max_count is not None and count >= self.schedule.max_count:
+                return
+            live = [n for n, pid in node_pids(self.run_dir).items() if psutil.pid_exists(pid)]
+            node = self.schedule.node if self.schedule.node is not None else (random.choice(live) if live else None)
+            if node is None or node not in live:
+                continue
+            try:
+                preempt_node(self.run_dir, node, self.schedule.grace_s)
+                count += 1
+            except UserError:
+                continue  # the node left on its own meanwhile

@@ -74,6 +74,17 @@ def cmd_chaos_kill_node(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chaos_preempt(args: argparse.Namespace) -> int:
+    from orchestrator.chaos import preempt_node
+
+    result = preempt_node(args.run_dir, args.node, args.grace)
+    if "left_in_s" in result:
+        print(f"node {args.node} saved and left {result['left_in_s']:.1f} s after the notice")
+    else:
+        print(f"node {args.node} was still alive after {args.grace} s: killed {result['killed_pids']}")
+    return 0
+
+
 def cmd_ckpt_list(args: argparse.Namespace) -> int:
     from orchestrator.checkpoint import format_checkpoint_list
 
@@ -120,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="the run dir of a running launch")
     p.add_argument("--node", type=int, required=True, help="the node index (see the run dir's nodes.json)")
     p.set_defaults(func=cmd_chaos_kill_node)
+    p = chaos.add_parser("preempt", help="deliver a preemption notice to a node; kill it after --grace s if alive")
+    p.add_argument("run_dir", help="the run dir of a running launch")
+    p.add_argument("--node", type=int, required=True, help="the node index (see the run dir's nodes.json)")
+    p.add_argument("--grace", type=float, default=30.0, help="seconds before the hard kill (default 30)")
+    p.set_defaults(func=cmd_chaos_preempt)
 
     ckpt = sub.add_parser("ckpt", help="list and inspect checkpoints at any fsspec URL").add_subparsers(
         dest="ckpt_command", required=True)

@@ -43,3 +43,10 @@ class Interrupted(OrchError):
     """The user stopped a run (SIGINT/SIGTERM to orch); every process it started was ended."""
 
     exit_code = 130
+
+
+class Preempted(OrchError):
+    """orch itself was told to leave (SIGTERM, e.g. a pod eviction) and every node checkpointed first.
+    Exit code 75 (EX_TEMPFAIL) lets schedulers treat it as "run again", not as a failure."""
+
+    exit_code = 75

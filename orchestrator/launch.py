@@ -15,7 +15,7 @@ from typing import Optional, TextIO
 from omegaconf import OmegaConf
 
 from orchestrator.config.schema import OrchConfig
-from orchestrator.errors import Interrupted, RunFailed
+from orchestrator.errors import Interrupted, Preempted, RunFailed
 from orchestrator.plan.plan import CONFIG_FILE, build_plan
 from orchestrator.plan.resources import check_local_resources
 from orchestrator.report.summary import write_summary
@@ -64,16 +64,21 @@ def launch(cfg: OrchConfig, dry_run: bool = False, echo: Optional[TextIO] = sys.
         return {"status": "dry-run", "plan": plan}
     check_local_resources(plan)
     preflight_checkpoints(cfg)
+    launcher = _launcher(cfg, run_id, echo)  # the Ray launcher connects here: unreachable exits 2, no run dir
     write_config(cfg, cfg.run.dir)
-    status = _launcher(cfg, run_id, echo).run()
+    status = launcher.run()
     summary = write_summary(cfg.run.dir)
+    if status == "preempted":
+        raise Preempted(f"run preempted: every node saved an emergency checkpoint and left; launch the same "
+                        f"command again to resume (run dir: {cfg.run.dir})")
     if status == "interrupted":
         raise Interrupted(f"run interrupted; every node stopped (run dir: {cfg.run.dir})")
     if status != "succeeded":
         cause = summary.get("root_cause") or {}
         who = f"rank {cause['rank']} (node {cause.get('node')})" if cause.get("rank") is not None else (
             f"node {cause.get('node')}" if cause else "unknown")
-        raise RunFailed(f"run {status}: root cause {who}: {cause.get('error', 'no error recorded')} "
+        reason = f"{summary['failure_reason']}; " if summary.get("failure_reason") else ""
+        raise RunFailed(f"run {status}: {reason}root cause {who}: {cause.get('error', 'no error recorded')} "
                         f"(run dir: {cfg.run.dir})")
     return summary
 

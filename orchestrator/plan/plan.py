@@ -119,7 +119,12 @@ def torchrun_argv(cfg: OrchConfig, node: int, run_id: str, endpoint: str, run_di
 
 
 def node_env(cfg: OrchConfig, node: int, run_dir: str, run_id: str) -> dict[str, str]:
-    env = {"ORCH_RUN_DIR": run_dir, "ORCH_RUN_ID": run_id, "ORCH_NODE": str(node), "PYTHONUNBUFFERED": "1"}
+    env = {"ORCH_RUN_DIR": run_dir, "ORCH_RUN_ID": run_id, "ORCH_NODE": str(node), "PYTHONUNBUFFERED": "1",
+           # How long torchrun lets workers finish after forwarding SIGTERM: the emergency checkpoint's window.
+           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(max(1, int(cfg.preemption.grace_period_s))),
+           # torchrun caches rank 0's bootstrap address from the first round and never republishes it, so a
+           # replacement node joining a later round waits forever for it: publish it every round instead.
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     if cfg.cluster.device == "cpu":
         # One intra-op thread per worker: simulated nodes share this machine's cores.
         env["OMP_NUM_THREADS"] = "1"

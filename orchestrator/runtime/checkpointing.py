@@ -85,8 +85,18 @@ class TrainingCheckpoints:
         self.cfg = trainer.cfg.checkpoint
         emit = trainer.events.emit if trainer.ctx.is_main else (lambda *a, **k: None)
         self.manager = CheckpointManager(url, keep_last=self.cfg.keep_last, async_save=self.cfg.async_save,
-                                         on_event=lambda name, fields: emit(name, **fields))
+                                         on_event=lambda name, fields: self._on_event(emit, name, fields))
         self.last_saved_step: Optional[int] = None
+        self.last_save_s: Optional[float] = None  # stall + write of the latest committed save (rank 0)
+
+    def _on_event(self, emit, name: str, fields: dict) -> None:
+        if name == "checkpoint_saved":
+            self.last_save_s = fields.get("stall_s", 0.0) + fields.get("write_s", 0.0)
+        emit(name, **fields)
+
+    def expected_save_s(self) -> Optional[float]:
+        """How long a synchronous save should take, judged from the last one (None before any)."""
+        return self.last_save_s
 
     # -- save ---------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:

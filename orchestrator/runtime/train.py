@@ -19,6 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from orchestrator.config.compose import load_run_config
 from orchestrator.report.runlog import EventLog
 from orchestrator.runtime.distributed import DistContext, init_process_group
+from orchestrator.runtime.preemption import PreemptedExit
 from orchestrator.runtime.trainer import Trainer
 
 
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
                 events.emit("restart", restart_count=ctx.restart_count, world_size=ctx.world_size,
                             reason="workers restarted by the torchrun agent")
         Trainer(cfg, ctx, run_dir, events).fit()
+    except PreemptedExit:
+        raise  # not a failure: the launcher reads the exit code as "preempted"
     except BaseException as exc:
         if not isinstance(exc, SystemExit) or exc.code:
             events.emit("worker_failed", rank=ctx.rank, node=ctx.node_rank, restart_count=ctx.restart_count,

@@ -22,6 +22,7 @@ from orchestrator.report.runlog import METRICS_FILE, EventLog, append_jsonl
 from orchestrator.runtime.checkpointing import TrainingCheckpoints
 from orchestrator.runtime.distributed import DistContext, select_device
 from orchestrator.runtime.precision import MixedPrecision
+from orchestrator.runtime.preemption import PreemptionResponse
 from orchestrator.runtime.sampler import GlobalBatchSampler
 
 
@@ -67,6 +68,7 @@ class Trainer:
         self.dataset = instantiate(cfg.data.dataset, _convert_="all")
         self.progress = Progress()
         self.checkpoints = TrainingCheckpoints(self, cfg.checkpoint.url or f"{run_dir}/checkpoints")
+        self.preemption = PreemptionResponse(self)
         self.last_loss: Optional[float] = None
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -106,6 +108,7 @@ class Trainer:
               f"step(s), device {self.device}, starting at step {self.progress.step}", flush=True)
         anomaly = torch.autograd.set_detect_anomaly(True) if t.detect_anomaly else contextlib.nullcontext()
         window_start, window_steps = time.perf_counter(), 0
+        first_step = self.progress.step + 1
         with anomaly:
             while self.progress.step < t.max_steps:
                 step_start = time.perf_counter()
@@ -115,6 +118,9 @@ class Trainer:
                 self.progress.epoch = sampler.epoch_of(self.progress.samples_consumed)
                 window_steps += 1
                 self._record_samples(sample_ids)
+                if self.progress.step == first_step and self.ctx.is_main:  # what recovery times (MTTR) end on
+                    self.events.emit("first_step", step=first_step, world_size=self.ctx.world_size,
+                                     restart_count=self.ctx.restart_count)
                 if self.progress.step % t.log_every == 0 or self.progress.step == t.max_steps:
                     now = time.perf_counter()
                     self._log_metrics(loss, now - window_start, window_steps, now - step_start)
@@ -146,7 +152,8 @@ class Trainer:
         return total, sample_ids
 
     def after_step(self) -> None:
-        """Work at every step boundary: periodic checkpoints (and, later, preemption checks)."""
+        """Work at every step boundary: a coordinated emergency checkpoint on notice, else periodic ones."""
+        self.preemption.check()  # raises PreemptedExit after the emergency checkpoint
         self.checkpoints.maybe_save()
 
     def _log_metrics(self, loss: torch.Tensor, window_s: float, window_steps: int, step_time_s: float) -> None:
@@ -177,6 +184,7 @@ class Trainer:
                                 "restart_count": self.ctx.restart_count})
 
     def finish(self) -> dict[str, Any]:
+        self.preemption.stop()
         self.checkpoints.finish()
         result = {"steps_completed": self.progress.step, "final_loss": self.last_loss,
                   "params_sha256": params_sha256(self.raw_model), "world_size": self.ctx.world_size,

@@ -1,0 +1,79 @@
+"""The trainer's answer to a preemption notice: agree, save, leave.
+
+At every step boundary all ranks all-reduce the earliest notice time any of them holds (one float, MIN).
+If there is one, every rank joins a synchronous emergency checkpoint of the step just completed (after any
+async save in flight), and exits with PREEMPTED_EXIT_CODE. The noticed node also stops its torchrun agent
+(unless SIGTERM already is), so it leaves the job instead of being restarted on a machine about to vanish;
+the other nodes' agents restart their workers, which re-rendezvous and resume from that checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from orchestrator.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher, build_sources
+
+if TYPE_CHECKING:
+    from orchestrator.runtime.trainer import Trainer
+
+
+class PreemptedExit(SystemExit):
+    """Raised after the emergency checkpoint: the worker exits with PREEMPTED_EXIT_CODE."""
+
+    def __init__(self, step: int):
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.step = step
+
+
+class PreemptionResponse:
+    """Owns the watcher of one worker and the step-boundary agreement."""
+
+    def __init__(self, trainer: "Trainer"):
+        self.trainer = trainer
+        cfg = trainer.cfg.preemption
+        self.node = int(os.environ.get("ORCH_NODE", trainer.ctx.node_rank))
+        # One poller per node is enough (local rank 0); every rank handles SIGTERM, which hits them all.
+        pollers = build_sources(cfg.sources, cfg, trainer.run_dir, self.node) if trainer.ctx.local_rank == 0 else []
+        self.watcher = PreemptionWatcher(pollers, "sigterm" in cfg.sources, cfg.poll_interval_s).start()
+        self._reported = False
+
+    def stop(self) -> None:
+        self.watcher.stop()
+
+    def check(self) -> None:
+        notice = self.watcher.notice
+        if notice is not None and not self._reported and self.trainer.ctx.local_rank == 0:
+            self._reported = True
+            self.trainer.events.emit("preemption_notice", node=self.node, source=notice.source, detail=notice.detail,
+                                     step=self.trainer.progress.step, notice_t=notice.t)
+        earliest = torch.tensor([notice.t if notice else math.inf], dtype=torch.float64, device=self.trainer.device)
+        dist.all_reduce(earliest, op=dist.ReduceOp.MIN)
+        if math.isfinite(earliest.item()):
+            self._save_and_leave(earliest.item())
+
+    def _save_and_leave(self, notice_t: float) -> None:
+        t, cfg = self.trainer, self.trainer.cfg.preemption
+        step, start = t.progress.step, time.time()
+        if t.ctx.is_main:
+            remaining = cfg.grace_period_s - (start - notice_t)
+            expected = t.checkpoints.expected_save_s()
+            if expected is not None and expected > remaining:
+                t.events.emit("preemption_grace_short", step=step, expected_save_s=expected, remaining_s=remaining,
+                              grace_period_s=cfg.grace_period_s)
+        t.checkpoints.save(reason="preemption")
+        if t.ctx.is_main:
+            t.checkpoints.manager.wait()  # synchronous: committed before anyone leaves
+            t.events.emit("emergency_checkpoint", step=step, save_s=time.time() - start,
+                          since_notice_s=time.time() - notice_t)
+        dist.barrier()  # nobody exits before the checkpoint is committed
+        notice = self.watcher.notice
+        if notice is not None and notice.source != "sigterm" and t.ctx.local_rank == 0:
+            os.kill(os.getppid(), signal.SIGTERM)  # the torchrun agent: this node leaves the job
+        raise PreemptedExit(step)
