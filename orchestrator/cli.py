@@ -21,7 +21,7 @@ def _launch_epilog() -> str:
     return (f"presets (conf=NAME):\n  {', '.join(list_presets())}\n\n"
             f"config groups (GROUP=OPTION) and their built-in options:\n{groups}\n\n"
             "other keys: backend.*, ddp.*, amp.*, checkpoint.*, cluster.*, rendezvous.*, trainer.*, data.*,\n"
-            "  entrypoint.*, launcher, run.dir  (see docs/configuration.md)\n\n"
+            "  entrypoint.*, preemption.*, launcher, run.dir  (see docs/configuration.md)\n\n"
             "examples:\n  orch launch conf=cpu_gloo\n  orch launch conf=cpu_gloo cluster.nnodes=1:2 trainer.max_steps=100\n"
             "  orch launch conf=bert8gpu --dry-run")
 
@@ -50,6 +50,9 @@ def split_preset(tokens: list[str]) -> tuple[str, list[str]]:
 
 
 def format_summary(summary: dict, run_dir: str) -> str:
+    if not summary["world_size_history"] and not summary["steps_completed"]:  # a user entrypoint: no training events
+        wall = f" in {summary['wall_s']:.1f} s" if summary.get("wall_s") else ""
+        return f"run {summary['status']}{wall} (user entrypoint: its own output is in the logs)\nrun dir: {run_dir}"
     loss = summary.get("final_loss")
     first = summary.get("first_loss")
     parts = [f"run {summary['status']}: {summary['steps_completed']} steps",
@@ -156,9 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:  # `--dry-run` may stand anywhere among the overrides
+        argv = [a for a in argv if a != "--dry-run"] + [a for a in argv if a == "--dry-run"]
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:  # `orch ... | head`: the reader left; not an error
+        sys.stderr.close()
+        return 0
     except OrchError as exc:
         print(f"orch: error: {exc}", file=sys.stderr)
         return exc.exit_code

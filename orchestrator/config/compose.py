@@ -67,6 +67,7 @@ def compose_config(preset: str, overrides: Sequence[str] = ()) -> OrchConfig:
 
 def to_validated(cfg: DictConfig) -> OrchConfig:
     """Convert a composed DictConfig to dataclasses (running every ``__post_init__``) and cross-check it."""
+    _reject_unknown_typed_keys(cfg)
     try:
         config = OmegaConf.to_object(cfg)
     except ConfigError:
@@ -75,6 +76,23 @@ def to_validated(cfg: DictConfig) -> OrchConfig:
         raise _translate(exc, ()) from None
     validate_config(config)
     return config
+
+
+def _reject_unknown_typed_keys(node: DictConfig, prefix: str = "") -> None:
+    """``+group.key=v`` can add keys to a typed group that its dataclass would silently ignore: refuse them."""
+    import dataclasses
+
+    schema = OmegaConf.get_type(node)
+    fields = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    for key in node.keys():
+        path = f"{prefix}{key}"
+        if fields is not None and key not in fields:
+            raise ConfigError(path, node._get_node(key)._value(), "check the spelling (see docs/configuration.md); "
+                              f"{prefix.rstrip('.') or 'this group'} is typed and accepts only its own keys",
+                              "is not a known key")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and fields is not None:
+            _reject_unknown_typed_keys(child, path + ".")
 
 
 def load_run_config(path: str) -> OrchConfig:
@@ -93,6 +111,13 @@ def _translate(exc: Exception, overrides: Sequence[str]) -> UserError:
     key = _first(text, r"full_key: ([\w.\[\]]+)", r"Could not override '([\w.]+)'", r"'([\w.]+)' does not exist")
     given = {o.lstrip("+~").split("=", 1)[0]: o.split("=", 1)[1] for o in overrides if "=" in o}
     value = given.get(key)
+    existing = _first(text, r"An item is already at '([\w.]+)'")
+    if existing:
+        return ConfigError(existing, given.get(existing), f"override it without the +: {existing}=...", "already exists")
+    deleted = _first(text, r"Error merging override ~([\w.]+)")
+    if deleted:
+        return ConfigError(deleted, None, "set it to another value (or null where allowed) instead: typed keys "
+                           "cannot be removed", "cannot be deleted")
     missing_option = re.search(r"Could not find '([\w.]+)/([\w.]+)'", text)
     if missing_option:
         group, option = missing_option.groups()
