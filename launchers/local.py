@@ -23,6 +23,7 @@ from orchestrator.config.schema import OrchConfig
 from orchestrator.plan.plan import PLAN_FILE, LaunchPlan, build_plan
 from orchestrator.rendezvous import RendezvousStore
 from orchestrator.report.runlog import EventLog
+from orchestrator.testcluster.state import state_for_launch
 
 EXIT_BARRIER_GRACE_S = 10.0
 
@@ -40,13 +41,27 @@ class LocalLauncher:
         self.started_at: dict[int, float] = {}
         self._signal: Optional[int] = None
         self._plan: Optional[LaunchPlan] = None
+        # cluster.testcluster: each node's agent runs on its test host (a network namespace); read before planning.
+        self.testcluster = state_for_launch(cfg.cluster.testcluster, cfg.cluster.max_nodes)
+        self._watch = None
+        if self.testcluster:
+            from orchestrator.testcluster.netns import require_root
+
+            require_root(f"cluster.testcluster={cfg.cluster.testcluster}")
 
     def run(self) -> str:
-        store = RendezvousStore(self.cfg.rendezvous.host, self.cfg.rendezvous.port)
-        self._plan = build_plan(self.cfg, str(self.run_dir), self.run_id, store_port=store.port)
+        tc = self.testcluster
+        store = RendezvousStore(tc.bridge_address if tc else self.cfg.rendezvous.host, self.cfg.rendezvous.port)
+        self._plan = build_plan(self.cfg, str(self.run_dir), self.run_id, store_port=store.port, testcluster=tc)
         (self.run_dir / PLAN_FILE).write_text(self._plan.to_json() + "\n")
-        self.events.emit("launch_started", preset=self._plan.preset, run_id=self.run_id, launcher="local",
-                         nodes=len(self.node_ids), rendezvous_endpoint=self._plan.rendezvous_endpoint)
+        started = self.events.emit("launch_started", preset=self._plan.preset, run_id=self.run_id, launcher="local",
+                                   nodes=len(self.node_ids), rendezvous_endpoint=self._plan.rendezvous_endpoint,
+                                   **({"testcluster": tc.name} if tc else {}))
+        if tc:
+            from orchestrator.testcluster.watch import ClusterWatch
+
+            self._watch = ClusterWatch(tc, str(self.run_dir), self.run_id, self.events, self.cfg.rendezvous,
+                                       since=started["t"], store_port=store.port)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         drill = PreemptionDrill(str(self.run_dir), self.cfg.preemption.schedule)
         try:
@@ -61,6 +76,8 @@ class LocalLauncher:
             for agent in self.agents.values():
                 if agent.poll() is None:
                     terminate_tree(agent.pid)
+            if self._watch:
+                self._watch.close()
             store.close()
         status = self._status(exits)
         self.events.emit("run_finished", status=status, node_exit_codes=exits)
@@ -71,7 +88,7 @@ class LocalLauncher:
 
     def _start_agent(self, node: int, replacement: bool = False) -> None:
         spec = self._plan.nodes[node]
-        self.agents[node] = NodeProcess(node, spec.argv, spec.env, self.run_dir / "logs" / f"node{node}.log",
+        self.agents[node] = NodeProcess(node, spec.launch_argv(), spec.env, self.run_dir / "logs" / f"node{node}.log",
                                         echo=self.echo)
         self.started_at[node] = time.time()
         self.events.emit("node_started", node=node, pid=self.agents[node].pid, replacement=replacement)
@@ -97,6 +114,11 @@ class LocalLauncher:
                 stopping = "agents_stopped"
                 self.events.emit("agents_stopped", reason="training finished; agents still waiting on departed peers")
                 self._stop_agents(exits, grace_s=5.0)
+            if self._watch and finished_at is None and not stopping:
+                # Test cluster: fault events, partitioned rounds, and a fresh agent for a healed cut-off node.
+                for node in self._watch.poll({n: a.pid for n, a in self.agents.items()}, lambda n: n not in exits):
+                    exits.pop(node, None)
+                    self._start_agent(node, replacement=True)
             for node, agent in list(self.agents.items()):
                 rc = agent.poll()
                 if node in exits or rc is None:
@@ -128,17 +150,22 @@ class LocalLauncher:
 
     def _record_exit(self, node: int, rc: int, stopping: Optional[str]) -> str:
         """Log why ``node``'s agent ended; returns finished | stopped | preempted | lost | failed."""
+        # A noticed node's agent may exit 0 (torchrun's SIGTERM path): the notice, not the code, says why.
+        if self._was_noticed(node) and not self._training_finished():
+            self.events.emit("node_preempted", node=node, exit_code=rc)
+            return "preempted"
         if rc == 0:
             self.events.emit("node_finished", node=node)
             return "finished"
-        if self._was_noticed(node):
-            self.events.emit("node_preempted", node=node, exit_code=rc)
-            return "preempted"
         if stopping:
             self.events.emit("node_stopped", node=node, exit_code=rc)
             return "stopped"
         if rc < 0:
             self.events.emit("node_lost", node=node, reason=f"agent killed by {signal.Signals(-rc).name}")
+            return "lost"
+        cut_off = self._watch and self._watch.exit_reason(node, rc, self.started_at[node])
+        if cut_off:
+            self.events.emit("node_lost", node=node, reason=cut_off)
             return "lost"
         self.events.emit("node_failed", node=node, exit_code=rc,
                          reason=f"agent on node {node} exited with code {rc} (see logs/node{node}.log)")

@@ -15,7 +15,7 @@ from typing import Sequence
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import ConfigCompositionException, MissingConfigException
+from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -54,7 +54,7 @@ def compose_dictconfig(preset: str, overrides: Sequence[str] = ()) -> DictConfig
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             return compose(config_name=preset, overrides=list(overrides))
-    except (ConfigCompositionException, MissingConfigException, OmegaConfBaseException) as exc:
+    except (HydraException, OmegaConfBaseException) as exc:
         raise _translate(exc, overrides) from None
     finally:
         GlobalHydra.instance().clear()
@@ -133,6 +133,10 @@ def _translate(exc: Exception, overrides: Sequence[str]) -> UserError:
         value = _first(text, r"Value '([^']*)'") or value
         return ConfigError(key or "?", value, "give a value of the key's type (see docs/configuration.md)",
                            "has the wrong type")
+    bad = _first(text, r"Error parsing override '([^']*)'")
+    if bad or "mismatched input" in text or "OverrideParseException" in type(exc).__name__:
+        return UserError(f"override {bad or ' '.join(overrides)!r} cannot be parsed ({text.splitlines()[0]}). "
+                         "Fix: quote values with special characters, e.g. 'key=\"http://host/{x}\"'")
     if "Missing mandatory value" in text:
         return ConfigError(key or "?", "???", "set it in the preset or as an override", "is required but missing")
     first = next((ln for ln in str(exc).splitlines() if ln.strip()), str(exc))

@@ -133,11 +133,18 @@ class ChaosFileSource(NoticeSource):
 
 
 def build_sources(names: list[str], cfg, run_dir: str, node: int) -> list[NoticeSource]:
-    """The pollable sources among ``names`` (``sigterm`` is installed by the watcher as a handler)."""
+    """The pollable sources among ``names`` (``sigterm`` is installed by the watcher as a handler).
+
+    An endpoint may contain ``{node}``: simulated nodes sharing one machine then each get their own
+    metadata service (drills, tests); real nodes each have their own at the fixed address.
+    """
+    def endpoint(url: str) -> str:
+        return url.replace("{node}", str(node))
+
     makers = {
-        "aws": lambda: AWSSpotSource(cfg.aws_endpoint),
-        "gcp": lambda: GCPPreemptedSource(cfg.gcp_endpoint, cfg.poll_interval_s),
-        "azure": lambda: AzureScheduledEventsSource(cfg.azure_endpoint),
+        "aws": lambda: AWSSpotSource(endpoint(cfg.aws_endpoint)),
+        "gcp": lambda: GCPPreemptedSource(endpoint(cfg.gcp_endpoint), cfg.poll_interval_s),
+        "azure": lambda: AzureScheduledEventsSource(endpoint(cfg.azure_endpoint)),
         "chaos": lambda: ChaosFileSource(run_dir, node),
     }
     return [makers[name]() for name in names if name in makers]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import time
 import warnings
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Optional
@@ -147,6 +148,7 @@ class TrainingCheckpoints:
         t = self.trainer
         if self.cfg.resume == "never":
             return None
+        started = time.perf_counter()
         choice: list[Any] = [None]
         if t.ctx.is_main:
             wanted = None if self.cfg.resume == "auto" else int(self.cfg.resume)
@@ -161,7 +163,7 @@ class TrainingCheckpoints:
         self._apply(loaded.state, loaded.metadata, loaded.step)
         if t.ctx.is_main:
             t.events.emit("checkpoint_loaded", step=loaded.step, world_size=t.ctx.world_size,
-                          saved_world_size=loaded.metadata.get("world_size"))
+                          saved_world_size=loaded.metadata.get("world_size"), restore_s=time.perf_counter() - started)
         return loaded.step
 
     def _apply(self, state: dict[str, Any], metadata: dict[str, Any], step: int) -> None:
