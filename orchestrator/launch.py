@@ -19,6 +19,7 @@ from orchestrator.errors import Interrupted, Preempted, RunFailed
 from orchestrator.plan.plan import CONFIG_FILE, build_plan
 from orchestrator.plan.resources import check_local_resources
 from orchestrator.report.summary import write_summary
+from orchestrator.testcluster.state import state_for_launch
 
 
 def resolve_run_dir(cfg: OrchConfig) -> str:
@@ -58,7 +59,7 @@ def launch(cfg: OrchConfig, dry_run: bool = False, echo: Optional[TextIO] = sys.
     """Run ``cfg`` (or print its plan when ``dry_run``); returns the summary. Raises RunFailed on failure."""
     cfg.run.dir = resolve_run_dir(cfg)
     run_id = new_run_id(cfg)
-    plan = build_plan(cfg, cfg.run.dir, run_id)
+    plan = build_plan(cfg, cfg.run.dir, run_id, testcluster=state_for_launch(cfg.cluster.testcluster, cfg.cluster.max_nodes))
     if dry_run:
         print(plan.format_text(), file=echo or sys.stdout)
         return {"status": "dry-run", "plan": plan}

@@ -10,6 +10,7 @@ exactly once, where the config is composed. Checks that span groups live in ``va
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -118,6 +119,9 @@ class ClusterConfig:
     """How many times torchrun may restart a node's workers after a failure or a membership change."""
     address: Optional[str] = None
     """Ray cluster to join (``auto``, ``HOST:PORT`` or ``ray://...``); ``null`` starts an embedded local Ray."""
+    testcluster: Optional[str] = None
+    """Run on the test cluster of this name (``orch testcluster up --name NAME``): each simulated node's agent
+    runs inside its own network namespace, with its own address and hostname. ``null``: this host's network."""
 
     def __post_init__(self) -> None:
         self.nnodes = str(self.nnodes)
@@ -130,6 +134,9 @@ class ClusterConfig:
                  "use 1 or more processes per node")
         _one_of("cluster.device", self.device, DEVICES)
         _require("cluster.max_restarts", self.max_restarts, self.max_restarts >= 0, "use 0 or more")
+        if self.testcluster is not None:
+            _require("cluster.testcluster", self.testcluster, bool(re.fullmatch(r"[a-z][a-z0-9-]{0,23}", self.testcluster)),
+                     "use the NAME given to `orch testcluster up --name NAME` (a-z, 0-9, '-'), or null")
 
     @property
     def min_nodes(self) -> int:

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from orchestrator.config.schema import OrchConfig
+from orchestrator.testcluster.state import ClusterState, NodeHost, enter_argv
 
 CONFIG_FILE = "config.yaml"
 PLAN_FILE = "plan.json"
@@ -26,9 +27,17 @@ class NodePlan:
     node: int
     argv: tuple[str, ...]
     env: dict[str, str]
+    netns: Optional[str] = None
+    """Test clusters (``cluster.testcluster``): the network namespace the agent runs in; None: this host's."""
+    hostname: Optional[str] = None
+    """Test clusters: the node's hostname (its agent's UTS hostname and ``--local-addr``)."""
 
     def command_line(self) -> str:
         return shlex.join(self.argv)
+
+    def launch_argv(self) -> tuple[str, ...]:
+        """What a launcher on this machine runs: ``argv``, entered into the node's namespace if it has one."""
+        return enter_argv(self.netns, self.hostname, self.argv) if self.netns else self.argv
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,8 @@ class LaunchPlan:
             lines.append(f"  {group + ':':<13} " + ", ".join(f"{k}={v}" for k, v in values.items()))
         for node in self.nodes:
             lines.append(f"  node {node.node}:")
+            if node.netns:
+                lines.append(f"    host: {node.hostname} (ip netns exec {node.netns})")
             lines.append(f"    env: {' '.join(f'{k}={shlex.quote(v)}' for k, v in sorted(node.env.items()))}")
             lines.append(f"    cmd: {node.command_line()}")
         return "\n".join(lines)
@@ -97,8 +108,10 @@ def entrypoint_argv(cfg: OrchConfig, run_dir: str) -> tuple[str, ...]:
 
 
 def torchrun_argv(cfg: OrchConfig, node: int, run_id: str, endpoint: str, run_dir: str,
-                  python: str) -> tuple[str, ...]:
+                  python: str, local_addr: Optional[str] = None) -> tuple[str, ...]:
     c = cfg.cluster
+    # On a test cluster the agent names its own host; rank 0's name becomes the workers' MASTER_ADDR.
+    addr = (f"--local-addr={local_addr}",) if local_addr else ()
     # The role names the node, so torchrun's --tee prefixes each worker line with node and local rank
     # ("[node1-local0]:"); per-rank, per-attempt log files go under the run dir's logs/.
     return (
@@ -110,6 +123,7 @@ def torchrun_argv(cfg: OrchConfig, node: int, run_id: str, endpoint: str, run_di
         f"--rdzv-id={run_id}",
         f"--rdzv-conf={rendezvous_conf(cfg)}",
         f"--max-restarts={c.max_restarts}",
+        *addr,
         "--monitor-interval=0.5",
         f"--role=node{node}-local",
         "--tee=3",
@@ -131,14 +145,24 @@ def node_env(cfg: OrchConfig, node: int, run_dir: str, run_id: str) -> dict[str,
     return env
 
 
+def testcluster_env(host: NodeHost) -> dict[str, str]:
+    """A test-cluster node's interface for gloo (and TensorPipe): traffic leaves through its own veth."""
+    return {"GLOO_SOCKET_IFNAME": host.ifname, "TP_SOCKET_IFNAME": host.ifname, "ORCH_TESTCLUSTER_HOST": host.hostname}
+
+
 def build_plan(cfg: OrchConfig, run_dir: str, run_id: str, store_port: Optional[int] = None,
-               python: str = sys.executable) -> LaunchPlan:
-    """The plan for ``cfg``. ``store_port`` is known once the launcher hosts the store; a dry run has none."""
+               python: str = sys.executable, testcluster: Optional[ClusterState] = None) -> LaunchPlan:
+    """The plan for ``cfg``. ``store_port`` is known once the launcher hosts the store; a dry run has none.
+    ``testcluster`` (the saved state of ``cluster.testcluster``, read by the caller) puts node i on its host i,
+    with the store on the cluster's bridge address."""
     port = store_port or cfg.rendezvous.port or PORT_PLACEHOLDER
-    endpoint = f"{cfg.rendezvous.host}:{port}"
-    nodes = tuple(NodePlan(node=i, argv=torchrun_argv(cfg, i, run_id, endpoint, run_dir, python),
-                           env=node_env(cfg, i, run_dir, run_id))
-                  for i in range(cfg.cluster.max_nodes))
+    endpoint = f"{testcluster.bridge_address if testcluster else cfg.rendezvous.host}:{port}"
+    hosts = testcluster.nodes if testcluster else [None] * cfg.cluster.max_nodes
+    nodes = tuple(NodePlan(node=i, argv=torchrun_argv(cfg, i, run_id, endpoint, run_dir, python,
+                                                      local_addr=host.hostname if host else None),
+                           env={**node_env(cfg, i, run_dir, run_id), **(testcluster_env(host) if host else {})},
+                           netns=host.netns if host else None, hostname=host.hostname if host else None)
+                  for i, host in zip(range(cfg.cluster.max_nodes), hosts))
     ckpt = cfg.checkpoint
     settings = {
         "ddp": asdict(cfg.ddp),

@@ -1,0 +1,218 @@
+"""What a launcher does differently on a test cluster: fault events, partition detection, healed nodes.
+
+A partitioned node is the hard case for torchrun. Its agent and workers keep running, but nothing reaches
+them: no TCP reset tells the survivors, so their gloo collective would wait for ``backend.timeout_s``
+(30 minutes by default) before failing. ``ClusterWatch`` ends that wait from two signals, both required:
+
+1. **Silence in the rendezvous store.** Every agent writes a keep-alive into the c10d rendezvous state each
+   ``rendezvous.keep_alive_interval_s``; the launcher hosts the store, so it reads that state. A member of
+   the current round whose keep-alive is older than interval x ``keep_alive_max_attempt`` + 2 s is silent.
+2. **Blocked survivors.** Every worker of every other member used (almost) no CPU over the last 3 s: they
+   wait in a collective. This is what tells a cut-off node from one torchrun merely dropped from its
+   bookkeeping (a starved agent misses keep-alives under load, and torchrun then stops its keep-alives for
+   good) while its workers train on: acting then would break a healthy job.
+
+Then the watch ends the survivors' workers (SIGKILL, like a crash). Their agents restart them, as after a
+kill, and re-rendezvous without the silent node: recovery takes the keep-alive timeouts plus a restart, not
+the collective timeout. ``backend.timeout_s`` stays the backstop where no launcher watches (a bare torchrun).
+
+The cut-off node's stale workers can never come back with an old step: each round's process group lives on
+a store its rank 0 creates for that round, so their group is dead; they fail once they can talk again (or
+at ``backend.timeout_s``), their agent restarts them (or, if the agent gave up while cut off, the launcher
+starts a fresh one when the node is healed), and the fresh workers join the next rendezvous as a waiting
+node, which scales the job up; every rank then restores the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import base64
+import pickle
+import signal
+import time
+from collections import deque
+from datetime import datetime, timedelta, timezone
+from typing import Callable, Optional
+
+import psutil
+
+from orchestrator.report.runlog import EventLog, append_jsonl
+from orchestrator.testcluster import cluster
+from orchestrator.testcluster.state import ClusterState
+
+POLL_INTERVAL_S = 0.5
+FAULT_EVENTS = {"partition": "chaos_partition", "heal": "chaos_heal", "kill": "chaos_kill"}
+SILENCE_MARGIN_S = 2.0
+"""Added to interval x attempts: a keep-alive is written only once the last one is an interval old, and
+read through a cache of up to a second, so a healthy member's can be that much older."""
+IDLE_WINDOW_S = 3.0
+IDLE_CPU_S = 0.15
+"""A worker that used less CPU than this over IDLE_WINDOW_S is blocked (a training worker uses far more,
+even sharing two cores with a dozen processes)."""
+
+
+class RoundWatch:
+    """Reads the c10d rendezvous state of ``run_id`` from the store at ``host:port``."""
+
+    def __init__(self, host: str, port: int, run_id: str, silence_s: float):
+        self.host, self.port, self.key, self.silence_s = host, port, f"torch.rendezvous.{run_id}", silence_s
+        self._store = None
+        self.round: Optional[int] = None
+        self.last_seen: dict = {}  # member (torchrun _NodeDesc: addr, pid, local_id) -> newest keep-alive
+
+    def _read(self):
+        from torch.distributed import TCPStore
+
+        if self._store is None:
+            self._store = TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=5))
+        if not self._store.check([self.key]):
+            return None
+        try:
+            return pickle.loads(base64.b64decode(self._store.get(self.key)))
+        except Exception:  # torchrun's initial sentinel, or a format this torch does not write
+            return None
+
+    def silent(self) -> list:
+        """Members of the current complete round whose newest keep-alive is older than ``silence_s``."""
+        state = self._read()
+        if state is None or state.closed or not state.complete:
+            return []
+        if state.round != self.round:
+            self.round = state.round
+            self.last_seen = {m: state.last_heartbeats.get(m) for m in state.participants}
+        for member, beat in state.last_heartbeats.items():
+            seen = self.last_seen.get(member, False)
+            if seen is not False and beat is not None and (seen is None or beat > seen):
+                self.last_seen[member] = beat
+        cutoff = datetime.now(timezone.utc) - timedelta(seconds=self.silence_s)
+        return [m for m, beat in self.last_seen.items() if beat is not None and beat < cutoff]
+
+    def silence(self) -> dict[str, float]:
+        """Seconds since each member's newest keep-alive, by its address."""
+        now = datetime.now(timezone.utc)
+        return {m.addr: round((now - b).total_seconds(), 2) for m, b in self.last_seen.items() if b is not None}
+
+    def close(self) -> None:
+        self._store = None
+
+
+class CpuHistory:
+    """CPU seconds used by each worker process, sampled every poll, to tell blocked workers from busy ones."""
+
+    def __init__(self):
+        self._samples: dict[int, deque] = {}
+
+    def sample(self, procs: list[psutil.Process]) -> None:
+        now, alive = time.monotonic(), set()
+        for p in procs:
+            try:
+                t = p.cpu_times()
+            except psutil.Error:
+                continue
+            alive.add(p.pid)
+            history = self._samples.setdefault(p.pid, deque(maxlen=64))
+            history.append((now, t.user + t.system))
+        for pid in set(self._samples) - alive:
+            del self._samples[pid]
+
+    def idle(self, pids: list[int], window_s: float = IDLE_WINDOW_S, cpu_s: float = IDLE_CPU_S) -> bool:
+        """Every one of ``pids`` was sampled for at least ``window_s`` and used less than ``cpu_s`` in it."""
+        if not pids:
+            return False
+        now = time.monotonic()
+        for pid in pids:
+            history = self._samples.get(pid)
+            if not history or now - history[0][0] < window_s:
+                return False
+            base = next(cpu for t, cpu in reversed(history) if now - t >= window_s)
+            if history[-1][1] - base >= cpu_s:
+                return False
+        return True
+
+
+class ClusterWatch:
+    """The local launcher's companion on a test cluster (``cluster.testcluster``)."""
+
+    def __init__(self, state: ClusterState, run_dir: str, run_id: str, events: EventLog, rendezvous,
+                 since: float, store_port: int):
+        self.state, self.events, self.since = state, events, since
+        self.silence_s = rendezvous.keep_alive_interval_s * rendezvous.keep_alive_max_attempt + SILENCE_MARGIN_S
+        self.rounds = RoundWatch(state.bridge_address, store_port, run_id, self.silence_s)
+        self.cpu = CpuHistory()
+        self._acted_round: Optional[int] = None
+        self._faults_seen = 0
+        self._cut_off: set[int] = set()  # nodes whose agent left while partitioned: restart them once healed
+        self._next_poll = 0.0
+
+    def poll(self, agent_pids: dict[int, int], running: Callable[[int], bool]) -> list[int]:
+        """One tick (acts at most every 0.5 s): record new faults as run events; end the survivors' workers
+        when a round has a silent member and blocked survivors; returns the nodes to start a fresh agent for
+        (cut off while their agent gave up, now healed)."""
+        if time.monotonic() < self._next_poll:
+            return []
+        self._next_poll = time.monotonic() + POLL_INTERVAL_S
+        self._record_faults()
+        self._check_round({n: pid for n, pid in agent_pids.items() if running(n)})
+        healed = [n for n in sorted(self._cut_off) if cluster.link_up(self.state, n)]
+        self._cut_off.difference_update(healed)
+        return healed
+
+    def _record_faults(self) -> None:
+        faults = cluster.faults(self.state.name)
+        for fault in faults[self._faults_seen:]:
+            if fault["t"] >= self.since and fault["fault"] in FAULT_EVENTS:
+                # The fault's own time, not when this tick saw it: recovery times start at the fault.
+                append_jsonl(self.events.path, {"t": fault["t"], "event": FAULT_EVENTS[fault["fault"]],
+                                                "node": fault["node"], "host": fault["hostname"], "source": "testcluster",
+                                                **({"pids": fault["pids"]} if "pids" in fault else {})})
+        self._faults_seen = len(faults)
+
+    def _check_round(self, agent_pids: dict[int, int]) -> None:
+        # Workers are listed before the state is read: a survivor that already moved on to the next round
+        # starts its new workers after this list, and those are never touched.
+        workers: dict[int, list[psutil.Process]] = {}
+        for node, pid in agent_pids.items():
+            try:
+                workers[node] = psutil.Process(pid).children()
+            except psutil.NoSuchProcess:
+                continue
+        self.cpu.sample([p for procs in workers.values() for p in procs])
+        try:
+            silent = self.rounds.silent()
+        except Exception:  # the store is going away (end of run): nothing to watch
+            return
+        if not silent or self.rounds.round == self._acted_round:
+            return
+        by_pid = {pid: node for node, pid in agent_pids.items()}
+        survivors = sorted(by_pid[m.pid] for m in self.rounds.last_seen if m not in silent and m.pid in by_pid)
+        victims = [p for node in survivors for p in workers.get(node, [])]
+        if not self.cpu.idle([p.pid for p in victims]):
+            return  # the survivors still compute: torchrun dropped a slow member from its books, nothing hangs
+        self._acted_round = self.rounds.round
+        ended = []
+        for proc in victims:
+            try:
+                proc.send_signal(signal.SIGKILL)
+                ended.append(proc.pid)
+            except psutil.NoSuchProcess:
+                pass
+        hosts = [m.addr for m in silent]
+        self.events.emit("round_broken", round=self.rounds.round, silent_nodes=sorted(by_pid.get(m.pid, -1) for m in silent),
+                         silent_hosts=hosts, silent_for_s=self.rounds.silence(), survivors=survivors,
+                         ended_worker_pids=ended,
+                         reason=f"no rendezvous keep-alive from {', '.join(hosts)} for over {self.silence_s:g} s while "
+                                f"the other nodes' workers sat blocked for {IDLE_WINDOW_S:g} s: ended those workers so "
+                                "their agents re-rendezvous instead of waiting out backend.timeout_s")
+
+    def exit_reason(self, node: int, rc: int, started_at: float) -> Optional[str]:
+        """Why ``node``'s agent left, if a partition explains it: then it is a lost node, not a failure."""
+        if rc == 0:
+            return None
+        partitions = [f for f in cluster.faults(self.state.name, since=started_at)
+                      if f["node"] == node and f["fault"] == "partition"]
+        if not partitions and cluster.link_up(self.state, node):
+            return None
+        self._cut_off.add(node)
+        return f"cut off by a network partition (agent exited with code {rc})"
+
+    def close(self) -> None:
+        self.rounds.close()
