@@ -155,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the result as JSON to this file")
     p.add_argument("--size-mb", type=float, default=100.0, help="model + optimizer state size (default 100)")
     p.set_defaults(func=cmd_bench_ckpt)
+
+    from orchestrator.testcluster.cli import add_testcluster_parser
+
+    add_testcluster_parser(sub)
     return parser
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -117,3 +118,22 @@ def remove_netns(netns: str) -> list[int]:
 def remove_link(name: str) -> bool:
     """Delete host link ``name`` (a veth end takes its peer with it); False if it was not there."""
     return ip("link", "del", name, check=False).returncode == 0
+
+
+def tcp_connections(netns: str) -> list[dict]:
+    """Established TCP connections inside ``netns`` (``ss``): ``{"local", "peer", "pids"}``, addresses as
+    ``A.B.C.D:PORT`` (IPv4-mapped IPv6 unwrapped)."""
+    out = in_netns(netns, "ss", "-tnpH", "state", "established", check=False).stdout
+    found = []
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        local, peer = (_plain_address(a) for a in fields[2:4])
+        pids = [int(p) for p in re.findall(r"pid=(\d+)", line)]
+        found.append({"local": local, "peer": peer, "pids": pids})
+    return found
+
+
+def _plain_address(addr: str) -> str:
+    return addr.replace("[::ffff:", "").replace("]", "")

@@ -30,6 +30,7 @@ import pickle
 import signal
 import time
 from collections import deque
+from pathlib import Path
 from datetime import datetime, timedelta, timezone
 from typing import Callable, Optional
 
@@ -37,6 +38,7 @@ import psutil
 
 from orchestrator.report.runlog import EventLog, append_jsonl
 from orchestrator.testcluster import cluster
+from orchestrator.testcluster import netns as nx
 from orchestrator.testcluster.state import ClusterState
 
 POLL_INTERVAL_S = 0.5
@@ -44,6 +46,7 @@ FAULT_EVENTS = {"partition": "chaos_partition", "heal": "chaos_heal", "kill": "c
 SILENCE_MARGIN_S = 2.0
 """Added to interval x attempts: a keep-alive is written only once the last one is an interval old, and
 read through a cache of up to a second, so a healthy member's can be that much older."""
+BINDINGS_INTERVAL_S = 2.0
 IDLE_WINDOW_S = 3.0
 IDLE_CPU_S = 0.15
 """A worker that used less CPU than this over IDLE_WINDOW_S is blocked (a training worker uses far more,
@@ -134,11 +137,13 @@ class ClusterWatch:
 
     def __init__(self, state: ClusterState, run_dir: str, run_id: str, events: EventLog, rendezvous,
                  since: float, store_port: int):
-        self.state, self.events, self.since = state, events, since
+        self.state, self.events, self.since, self.run_dir = state, events, since, Path(run_dir)
         self.silence_s = rendezvous.keep_alive_interval_s * rendezvous.keep_alive_max_attempt + SILENCE_MARGIN_S
         self.rounds = RoundWatch(state.bridge_address, store_port, run_id, self.silence_s)
         self.cpu = CpuHistory()
         self._acted_round: Optional[int] = None
+        self._bound_round: Optional[int] = None
+        self._next_bindings = 0.0
         self._faults_seen = 0
         self._cut_off: set[int] = set()  # nodes whose agent left while partitioned: restart them once healed
         self._next_poll = 0.0
@@ -151,7 +156,9 @@ class ClusterWatch:
             return []
         self._next_poll = time.monotonic() + POLL_INTERVAL_S
         self._record_faults()
-        self._check_round({n: pid for n, pid in agent_pids.items() if running(n)})
+        live = {n: pid for n, pid in agent_pids.items() if running(n)}
+        self._check_round(live)
+        self._record_bindings(live)
         healed = [n for n in sorted(self._cut_off) if cluster.link_up(self.state, n)]
         self._cut_off.difference_update(healed)
         return healed
@@ -202,6 +209,39 @@ class ClusterWatch:
                          reason=f"no rendezvous keep-alive from {', '.join(hosts)} for over {self.silence_s:g} s while "
                                 f"the other nodes' workers sat blocked for {IDLE_WINDOW_S:g} s: ended those workers so "
                                 "their agents re-rendezvous instead of waiting out backend.timeout_s")
+
+    def _record_bindings(self, agent_pids: dict[int, int]) -> None:
+        """Once per round, when every rank is connected to another node: which address each rank's TCP
+        sockets use (``ss`` in its namespace), as a ``testcluster_bindings`` event. On a test cluster every
+        one must be its own node's address: gloo went out through the node's own veth."""
+        if self.rounds.round is None or self.rounds.round == self._bound_round or time.monotonic() < self._next_bindings:
+            return
+        self._next_bindings = time.monotonic() + BINDINGS_INTERVAL_S
+        ranks = []
+        for node, pid in sorted(agent_pids.items()):
+            host = self.state.nodes[node]
+            try:
+                workers = psutil.Process(pid).children()
+                conns = nx.tcp_connections(host.netns)
+                for w in workers:
+                    mine = [c for c in conns if w.pid in c["pids"]]
+                    ranks.append({"rank": int(w.environ().get("RANK", -1)), "node": node, "host": host.hostname,
+                                  "address": host.address, "pid": w.pid,
+                                  "local_addresses": sorted({c["local"].rsplit(":", 1)[0] for c in mine}),
+                                  "peer_addresses": sorted({c["peer"].rsplit(":", 1)[0] for c in mine})})
+            except (psutil.Error, OSError):
+                return
+        addresses = {n.address for n in self.state.nodes}
+        if len(ranks) < 2 or not all(set(r["peer_addresses"]) & (addresses - {r["address"]}) for r in ranks):
+            return  # workers still starting, or a single node: nothing crosses a link yet
+        self._bound_round = self.rounds.round
+        ranks.sort(key=lambda r: r["rank"])
+        self.events.emit("testcluster_bindings", round=self.rounds.round, ranks=ranks,
+                         own_address_only=all(r["local_addresses"] == [r["address"]] for r in ranks))
+        with (self.run_dir / "logs" / "testcluster.log").open("a") as log:
+            for r in ranks:
+                log.write(f"round {self.rounds.round}: rank {r['rank']} on {r['host']} ({r['address']}): TCP sockets "
+                          f"bound to {', '.join(r['local_addresses'])}; peers {', '.join(r['peer_addresses'])}\n")
 
     def exit_reason(self, node: int, rc: int, started_at: float) -> Optional[str]:
         """Why ``node``'s agent left, if a partition explains it: then it is a lost node, not a failure."""

@@ -1,0 +1,161 @@
+"""Test clusters themselves: naming and planning (pure), and real namespaces: up, status, reachability by
+name, partition/heal/kill, and a `down` that leaves nothing behind. Launches on a cluster are in
+test_testcluster_launch.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from orchproc import run_orch
+from orchestrator.testcluster import netns as nx
+from orchestrator.testcluster.cluster import HOSTS_FILE, faults, leftovers
+from orchestrator.testcluster.state import load_state, plan_cluster, state_path
+
+pytestmark = pytest.mark.timeout(120)
+
+SERVER = ("import socket,sys,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+          "s.bind(('0.0.0.0', 29555)); s.listen(8); print('listening', flush=True)\n"
+          "while True:\n c, a = s.accept(); c.sendall(a[0].encode()); c.close()")
+CLIENT = ("import socket,sys\ntry:\n c = socket.create_connection((sys.argv[1], 29555), timeout=float(sys.argv[2]))\n"
+          " print('reached', c.recv(64).decode(), c.getsockname()[0])\nexcept OSError as e:\n print('unreachable', e)")
+
+
+def test_cluster_plan_names_hosts_and_addresses():
+    state = plan_cluster("ci", 3, subnet_index=77)
+    assert [n.address for n in state.nodes] == ["10.213.77.10", "10.213.77.11", "10.213.77.12"]
+    assert [n.hostname for n in state.nodes] == ["ci-node0", "ci-node1", "ci-node2"]
+    assert state.bridge_address == "10.213.77.1" and len(state.bridge) <= 15
+    assert all(len(n.host_link) <= 15 for n in state.nodes), "Linux link names are at most 15 characters"
+    hosts = state.hosts_file()
+    assert "10.213.77.1\tci-host" in hosts and "10.213.77.12\tci-node2" in hosts
+    assert "::ffff:10.213.77.11\tci-node1" in hosts, "c10d reverse-resolves IPv4-mapped addresses"
+
+
+def test_plan_runs_each_node_in_its_namespace_with_its_own_address():
+    """Planning stays pure: the cluster's state goes in, argv/env/netns per node come out."""
+    from orchestrator.config.compose import compose_config
+    from orchestrator.plan.plan import build_plan
+
+    state = plan_cluster("ci", 3, subnet_index=77)
+    cfg = compose_config("cpu_elastic", ["cluster.nnodes=2:3", "cluster.testcluster=ci"])
+    plan = build_plan(cfg, "/tmp/run", "rid", store_port=1234, testcluster=state)
+    assert plan.rendezvous_endpoint == "10.213.77.1:1234"
+    for node, host in zip(plan.nodes, state.nodes):
+        assert f"--local-addr={host.hostname}" in node.argv
+        assert node.env["GLOO_SOCKET_IFNAME"] == "eth0"
+        assert node.launch_argv()[:4] == ("ip", "netns", "exec", host.netns)
+        assert node.launch_argv()[-len(node.argv):] == node.argv
+    assert "host: ci-node1 (ip netns exec orch-ci-node1)" in plan.format_text()
+    plain = build_plan(compose_config("cpu_gloo", []), "/tmp/run", "rid", store_port=1234)
+    assert all(n.launch_argv() == n.argv and "--local-addr" not in " ".join(n.argv) for n in plain.nodes)
+
+
+def test_bad_names_and_missing_clusters_exit_2():
+    r = run_orch("launch", "conf=cpu_gloo", "cluster.testcluster=Bad_Name", "--dry-run")
+    assert r.returncode == 2 and "cluster.testcluster='Bad_Name'" in r.stderr
+    r = run_orch("launch", "conf=cpu_gloo", "cluster.testcluster=nosuchcluster", "--dry-run")
+    assert r.returncode == 2 and "no test cluster named 'nosuchcluster' is up" in r.stderr
+    assert r.stderr.count("\n") == 1, "one line, no traceback"
+
+
+def test_commands_that_change_the_network_need_root(monkeypatch, capsys):
+    from orchestrator.cli import main
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert main(["testcluster", "up", "--nodes", "2", "--name", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "orch testcluster up needs root" in err and "Fix: run it with sudo" in err and err.count("\n") == 1
+
+
+def test_pytest_plugin_is_registered():
+    from importlib.metadata import entry_points
+
+    plugins = {ep.name: ep.value for ep in entry_points(group="pytest11")}
+    assert plugins.get("orch_testcluster") == "orchestrator.testcluster.pytest_plugin"
+
+
+@pytest.mark.testcluster(nodes=3)
+def test_hosts_reach_each_other_by_name_and_faults_cut_them_off(testcluster):
+    tc = testcluster
+    server = subprocess.Popen(["ip", "netns", "exec", tc.netns[2], sys.executable, "-c", SERVER],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "listening"
+        # node0 reaches node2 by hostname; node2 sees node0's own address (no NAT, no loopback).
+        out = tc.run(0, sys.executable, "-c", CLIENT, tc.hostnames[2], "3").stdout.split()
+        assert out == ["reached", tc.addresses[0], tc.addresses[0]]
+        assert tc.run(1, "hostname", "-I").stdout.split() == [tc.addresses[1]]
+        # The host namespace resolves every node from files: c10d's reverse lookups never reach a DNS server.
+        for host, addr in zip(tc.hostnames, tc.addresses):
+            assert socket.getnameinfo((f"::ffff:{addr}", 0, 0, 0), socket.NI_NAMEREQD)[0] == host
+        assert tc.pids(2) == [server.pid]
+
+        tc.partition(2)
+        assert tc.status()["nodes"][2]["link"].startswith("down")
+        assert "unreachable" in tc.run(0, sys.executable, "-c", CLIENT, tc.hostnames[2], "1").stdout
+        assert server.poll() is None and tc.pids(2) == [server.pid], "a partitioned host's processes keep running"
+
+        tc.heal(2)
+        deadline = time.monotonic() + 10
+        while "reached" not in tc.run(0, sys.executable, "-c", CLIENT, tc.hostnames[2], "1").stdout:
+            assert time.monotonic() < deadline, "node2 unreachable after heal"
+
+        killed = tc.kill(2)
+        assert killed["pids"] == [server.pid] and server.wait(timeout=5) == -9 and tc.pids(2) == []
+        assert [f["fault"] for f in faults(tc.name)] == ["partition", "heal", "kill"]
+    finally:
+        server.kill()
+
+
+def test_cli_up_status_down_leaves_nothing_behind():
+    name = f"cli{os.getpid() % 10000}"
+    try:
+        r = run_orch("testcluster", "up", "--nodes", "2", "--name", name)
+        assert r.returncode == 0, r.stderr
+        assert f"{name}-node1" in r.stdout and f"cluster.testcluster={name}" in r.stdout
+        state = load_state(name)
+        r = run_orch("testcluster", "status", name, "--json")
+        info = json.loads(r.stdout)
+        assert [n["link"] for n in info["nodes"]] == ["up", "up"] and info["bridge_exists"]
+        # A process left running inside a node (a stale agent) must not survive `down`.
+        sleeper = subprocess.Popen(["ip", "netns", "exec", state.nodes[1].netns, "sleep", "300"])
+        time.sleep(0.3)
+        r = run_orch("testcluster", "down", name)
+        assert r.returncode == 0, r.stderr
+        assert "1 process(es) killed" in r.stdout
+        assert sleeper.wait(timeout=5) == -9
+        assert leftovers(name) == []
+        assert not any(ns.startswith(f"orch-{name}-") for ns in nx.list_netns())
+        assert state.bridge not in nx.links() and not any(n.host_link in nx.links() for n in state.nodes)
+        assert name not in HOSTS_FILE.read_text()
+        r = run_orch("testcluster", "status", name)
+        assert r.returncode == 2 and "no test cluster named" in r.stderr
+    finally:
+        run_orch("testcluster", "down", name)
+
+
+def test_up_replaces_the_leftovers_of_a_crashed_cluster():
+    name = f"crash{os.getpid() % 10000}"
+    try:
+        assert run_orch("testcluster", "up", "--nodes", "3", "--name", name).returncode == 0
+        old = load_state(name)
+        sleeper = subprocess.Popen(["ip", "netns", "exec", old.nodes[2].netns, "sleep", "300"])
+        time.sleep(0.3)
+        # A crash: the state file is gone, namespaces, links and a process are not.
+        state_path(name).unlink()
+        r = run_orch("testcluster", "up", "--nodes", "2", "--name", name)
+        assert r.returncode == 0, r.stderr
+        assert sleeper.wait(timeout=5) == -9
+        assert sorted(ns for ns in nx.list_netns() if ns.startswith(f"orch-{name}-")) == [
+            f"orch-{name}-node0", f"orch-{name}-node1"]
+        assert HOSTS_FILE.read_text().count(f"# BEGIN orch testcluster {name}") == 1
+    finally:
+        run_orch("testcluster", "down", name)
+    assert leftovers(name) == []

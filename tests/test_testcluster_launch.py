@@ -1,0 +1,120 @@
+"""Launches on a test cluster: every simulated node's torchrun agent on its own network-namespace host,
+gloo traffic crossing the veth links, a partition survived within the keep-alive timeouts, a healed host
+rejoining, and `down` in the middle of a run leaving nothing behind."""
+
+from __future__ import annotations
+
+import json
+
+import psutil
+import pytest
+
+from orchproc import read_jsonl, run_orch, start_orch, stop_tree, summary, wait_for
+from orchestrator.testcluster import netns as nx
+from orchestrator.testcluster.cluster import leftovers
+
+pytestmark = pytest.mark.slow
+
+
+def events_of(run_dir, name, after=0.0):
+    return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == name and e["t"] > after]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.testcluster(nodes=3)
+def test_cpu_gloo_job_across_three_hosts_binds_each_rank_to_its_host(testcluster, tmp_path):
+    tc, run_dir = testcluster, tmp_path / "run"
+    result = run_orch("launch", "conf=cpu_gloo", *tc.launch_overrides(), "cluster.nnodes=3",
+                      "trainer.global_batch_size=24", f"run.dir={run_dir}", timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    s = summary(run_dir)
+    assert s["status"] == "succeeded" and s["steps_completed"] == 40 and s["world_size_history"] == [3]
+
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["rendezvous_endpoint"].startswith(tc.store_address + ":"), "the store listens on the bridge"
+    assert [n["netns"] for n in plan["nodes"]] == tc.netns
+    assert all(f"--local-addr={h}" in n["argv"] for n, h in zip(plan["nodes"], tc.hostnames))
+
+    # Every rank's TCP sockets (gloo's pairs, the workers' store) are bound to its own host's address, and each
+    # reaches the other hosts' addresses: the traffic crossed the veth links, not loopback.
+    (bindings,) = events_of(run_dir, "testcluster_bindings")
+    assert bindings["own_address_only"], bindings
+    ranks = {r["rank"]: r for r in bindings["ranks"]}
+    assert sorted(ranks) == [0, 1, 2]
+    for r in ranks.values():
+        assert r["address"] == tc.addresses[r["node"]] and r["local_addresses"] == [r["address"]]
+        assert set(tc.addresses) - {r["address"]} <= set(r["peer_addresses"]), r
+    log = (run_dir / "logs" / "testcluster.log").read_text()
+    for r in ranks.values():
+        assert f"rank {r['rank']} on {r['host']} ({r['address']}): TCP sockets bound to {r['address']};" in log
+    print("\n" + log)
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.testcluster(nodes=3)
+def test_partitioned_host_is_dropped_within_keepalive_timeouts_and_rejoins_when_healed(testcluster, tmp_path):
+    tc, run_dir = testcluster, tmp_path / "run"
+    proc = start_orch("launch", "conf=cpu_elastic", *tc.launch_overrides(), "cluster.nnodes=2:3", "trainer.max_steps=1000",
+                      "trainer.log_every=10", "checkpoint.every_n_steps=20", f"run.dir={run_dir}", log=tmp_path / "orch.log")
+    try:
+        metrics = lambda: read_jsonl(run_dir / "metrics.jsonl")  # noqa: E731
+        wait_for(lambda: any(m["step"] >= 40 and m["world_size"] == 3 for m in metrics()), 180, "step 40 at world size 3")
+        cut_off = tc.pids(2)
+        cut = tc.partition(2)["t"]
+
+        (broken,) = wait_for(lambda: events_of(run_dir, "round_broken", cut), 60, "the broken round")
+        assert broken["silent_hosts"] == [tc.hostnames[2]] and broken["survivors"] == [0, 1]
+        assert all(psutil.pid_exists(p) for p in cut_off), "the partitioned host's agent and worker keep running"
+        first = wait_for(lambda: [e for e in events_of(run_dir, "first_step", cut) if e["world_size"] == 2],
+                         120, "the first step at world size 2")[0]
+        wait_for(lambda: any(m["t"] > first["t"] and m["step"] >= first["step"] + 30 for m in metrics()), 120,
+                 "30 steps at world size 2")
+
+        healed = tc.heal(2)["t"]
+        wait_for(lambda: [e for e in events_of(run_dir, "rendezvous_complete", healed) if e["world_size"] == 3], 180,
+                 "the healed host rejoining at world size 3")
+        assert proc.wait(timeout=300) == 0, (tmp_path / "orch.log").read_text()[-3000:]
+    finally:
+        stop_tree(proc.pid)
+
+    s = summary(run_dir)
+    assert s["status"] == "succeeded" and s["steps_completed"] == 1000
+    assert s["world_size_history"] == [3, 2, 3]
+    (rec,) = [r for r in s["recoveries"] if r["cause"] == "chaos_partition"]
+    # Recovery is bounded by the keep-alive timeouts plus a restart, not by the 1800 s collective timeout.
+    assert rec["world_size"] == 2 and rec["mttr_s"] < 90, rec
+    print(f"\nMTTR after a partition: {rec['mttr_s']:.1f} s (detected {broken['t'] - cut:.1f} s after the cut)")
+
+    # The cut-off host's stale workers never came back with an old step: nothing ran at world size 3 between
+    # the cut and the rejoin, and the rejoined job restored the newest checkpoint, past every step before heal.
+    rejoin = [e for e in events_of(run_dir, "rendezvous_complete", healed) if e["world_size"] == 3][0]
+    assert not [m for m in read_jsonl(run_dir / "metrics.jsonl") if cut < m["t"] < rejoin["t"] and m["world_size"] == 3]
+    before_heal = max(m["step"] for m in read_jsonl(run_dir / "metrics.jsonl") if m["t"] < healed)
+    loaded = events_of(run_dir, "checkpoint_loaded", rejoin["t"])[0]
+    resumed = events_of(run_dir, "first_step", rejoin["t"])[0]
+    assert loaded["world_size"] == 3 and loaded["step"] >= before_heal - 20
+    assert resumed["step"] == loaded["step"] + 1 and resumed["world_size"] == 3
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.testcluster(nodes=2)
+def test_down_during_a_run_leaves_no_namespace_link_or_process(testcluster, tmp_path):
+    tc, run_dir = testcluster, tmp_path / "run"
+    proc = start_orch("launch", "conf=cpu_elastic", *tc.launch_overrides(), "cluster.nnodes=1:2", "trainer.max_steps=100000",
+                      f"run.dir={run_dir}", log=tmp_path / "orch.log")
+    try:
+        wait_for(lambda: events_of(run_dir, "first_step"), 180, "the first step")
+        inside = [p for n in tc.nodes for p in tc.pids(n)]
+        agents = list(json.loads((run_dir / "nodes.json").read_text()).values())
+        assert set(agents) <= set(inside) and len(inside) >= 4, "agents and workers run inside the namespaces"
+        r = run_orch("testcluster", "down", tc.name)
+        assert r.returncode == 0, r.stderr
+        proc.wait(timeout=120)  # every node is gone: the launch ends (it cannot finish training)
+    finally:
+        stop_tree(proc.pid)
+    gone = lambda p: not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE  # noqa: E731
+    assert all(gone(p) for p in inside)
+    assert leftovers(tc.name) == []
+    assert not [ns for ns in nx.list_netns() if ns in tc.netns]
+    assert not [link for link in nx.links() if link in {tc.state.bridge, *(n.host_link for n in tc.state.nodes)}]
+    assert [e["node"] for e in events_of(run_dir, "node_lost")] != []
