@@ -109,6 +109,13 @@ def cmd_bench_ckpt(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_recovery(args: argparse.Namespace) -> int:
+    from orchestrator.bench.recovery import main_recovery_bench
+
+    main_recovery_bench(out=args.out, kill_at_step=args.kill_at_step)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="orch", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -155,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the result as JSON to this file")
     p.add_argument("--size-mb", type=float, default=100.0, help="model + optimizer state size (default 100)")
     p.set_defaults(func=cmd_bench_ckpt)
+    p = bench.add_parser("recovery", help="time to recover from a lost node: bare torchrun vs orch, same job and kill")
+    p.add_argument("--out", help="write {orch_mttr_s, torchrun_mttr_s, ratio} as JSON to this file")
+    p.add_argument("--kill-at-step", type=int, default=10, help="kill node 1 once this step completed (default 10)")
+    p.set_defaults(func=cmd_bench_recovery)
 
     from orchestrator.testcluster.cli import add_testcluster_parser
 

@@ -22,6 +22,7 @@ BACKENDS = ("nccl", "gloo")
 DEVICES = ("cpu", "cuda")
 AMP_DTYPES = ("bf16", "fp16")
 LAUNCHERS = ("local", "ray")
+PLACEMENTS = ("auto", "spread", "pack")
 RESUME_MODES = ("auto", "never")
 
 
@@ -119,6 +120,13 @@ class ClusterConfig:
     """How many times torchrun may restart a node's workers after a failure or a membership change."""
     address: Optional[str] = None
     """Ray cluster to join (``auto``, ``HOST:PORT`` or ``ray://...``); ``null`` starts an embedded local Ray."""
+    cpus_per_node: float = 1.0
+    """Ray launcher: CPUs each node agent reserves on its Ray node (placement only; workers are not pinned)."""
+    gpus_per_node: Optional[int] = None
+    """Ray launcher: GPUs each node agent reserves; ``null`` means nproc_per_node on cuda, 0 on cpu."""
+    placement: str = "auto"
+    """Ray launcher: ``spread`` (at most one node agent per Ray node), ``pack`` (agents may share a Ray node),
+    or ``auto``: pack on the embedded single-node Ray, spread on a joined cluster."""
     testcluster: Optional[str] = None
     """Run on the test cluster of this name (``orch testcluster up --name NAME``): each simulated node's agent
     runs inside its own network namespace, with its own address and hostname. ``null``: this host's network."""
@@ -134,6 +142,10 @@ class ClusterConfig:
                  "use 1 or more processes per node")
         _one_of("cluster.device", self.device, DEVICES)
         _require("cluster.max_restarts", self.max_restarts, self.max_restarts >= 0, "use 0 or more")
+        _require("cluster.cpus_per_node", self.cpus_per_node, self.cpus_per_node >= 0, "use 0 or more CPUs")
+        if self.gpus_per_node is not None:
+            _require("cluster.gpus_per_node", self.gpus_per_node, self.gpus_per_node >= 0, "use 0 or more GPUs, or null")
+        _one_of("cluster.placement", self.placement, PLACEMENTS)
         if self.testcluster is not None:
             _require("cluster.testcluster", self.testcluster, bool(re.fullmatch(r"[a-z][a-z0-9-]{0,23}", self.testcluster)),
                      "use the NAME given to `orch testcluster up --name NAME` (a-z, 0-9, '-'), or null")
@@ -150,6 +162,13 @@ class ClusterConfig:
     def elastic(self) -> bool:
         return self.min_nodes != self.max_nodes
 
+    @property
+    def gpus_per_agent(self) -> int:
+        """GPUs a node agent reserves: ``gpus_per_node``, else one per process on cuda."""
+        if self.gpus_per_node is not None:
+            return self.gpus_per_node
+        return self.nproc_per_node if self.device == "cuda" else 0
+
 
 @dataclass
 class RendezvousConfig:
@@ -162,8 +181,11 @@ class RendezvousConfig:
     """After MIN nodes joined, how long to wait for more before closing the round."""
     keep_alive_interval_s: int = 1
     """How often each agent proves it is alive to the store."""
-    keep_alive_max_attempt: int = 2
-    """Missed keep-alives after which a node is declared dead (detection takes interval x attempts)."""
+    keep_alive_max_attempt: int = 3
+    """Missed keep-alives after which a node is declared dead (detection takes interval x attempts). At least
+    3: torch's c10d handler sends its first keep-alive one interval after a round completes, so with 2 a node
+    that waited through the last call is already "dead" then, drops out of the rendezvous unnoticed, and the
+    next node to join forms a second job of its own."""
     host: str = "127.0.0.1"
     """Address the rendezvous store listens on and agents connect to."""
     port: int = 0
@@ -173,8 +195,8 @@ class RendezvousConfig:
         for key in ("join_timeout_s", "last_call_timeout_s", "keep_alive_interval_s"):
             value = getattr(self, key)
             _require(f"rendezvous.{key}", value, value > 0, "use a positive number of seconds")
-        _require("rendezvous.keep_alive_max_attempt", self.keep_alive_max_attempt, self.keep_alive_max_attempt >= 1,
-                 "use 1 or more")
+        _require("rendezvous.keep_alive_max_attempt", self.keep_alive_max_attempt, self.keep_alive_max_attempt >= 3,
+                 "use 3 or more (with fewer, a node drops out of the rendezvous after a shrink)", "is too low")
         _require("rendezvous.port", self.port, 0 <= self.port < 65536, "use 0 (auto) or a TCP port")
 
 
@@ -317,6 +339,28 @@ class PreemptionConfig:
 
 
 @dataclass
+class FailureConfig:
+    """How the Ray controller spends its budgets: user-code failures and lost nodes are counted apart, so a
+    deterministic bug stops the run while spot preemptions never use up the failure budget."""
+
+    max_failures: int = 1
+    """Node agent failures (user code or torchrun giving up, after torchrun's own cluster.max_restarts) that the
+    controller answers by restarting every node; one more fails the run, naming the root-cause rank."""
+    max_preemptions: int = -1
+    """Lost or preempted nodes the run survives (the rest re-rendezvous without them); -1: no limit."""
+    wait_for_nodes_s: float = 60.0
+    """How long the run may sit below MIN nodes (at start or after losses) before it fails. Keep it under
+    rendezvous.join_timeout_s, after which the surviving agents give up on their own."""
+
+    def __post_init__(self) -> None:
+        _require("failure.max_failures", self.max_failures, self.max_failures >= 0, "use 0 or more")
+        _require("failure.max_preemptions", self.max_preemptions, self.max_preemptions >= -1,
+                 "use -1 (no limit) or 0 or more")
+        _require("failure.wait_for_nodes_s", self.wait_for_nodes_s, self.wait_for_nodes_s > 0,
+                 "use a positive number of seconds")
+
+
+@dataclass
 class OrchConfig:
     """The whole configuration of one launch, as composed from a preset and overrides."""
 
@@ -338,6 +382,7 @@ class OrchConfig:
     entrypoint: EntrypointConfig = field(default_factory=EntrypointConfig)
     run: RunConfig = field(default_factory=RunConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    failure: FailureConfig = field(default_factory=FailureConfig)
 
     def __post_init__(self) -> None:
         _one_of("launcher", self.launcher, LAUNCHERS)

@@ -44,6 +44,29 @@ def world_size_history(events: list[dict[str, Any]]) -> list[int]:
     return history
 
 
+LOSS_EVENTS = ("chaos_kill", "node_lost", "chaos_partition")  # chaos_partition: orch testcluster partition
+STEP_EVENTS = ("recovered", "first_step")
+
+
+def recoveries(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each loss (a chaos kill or a lost node) paired with the first completed training step after it.
+
+    ``mttr_s`` = that step's time - the loss's time. A loss that happens before the job recovered from an
+    earlier one belongs to the same recovery, timed from the earlier one.
+    """
+    found: list[dict[str, Any]] = []
+    lost: Optional[dict[str, Any]] = None
+    for e in sorted(events, key=lambda e: e["t"]):
+        if e["event"] in LOSS_EVENTS and lost is None:
+            lost = e
+        elif e["event"] in STEP_EVENTS and lost is not None:
+            found.append({"cause": lost["event"], "node": lost.get("node"), "lost_t": lost["t"],
+                          "recovered_t": e["t"], "mttr_s": round(e["t"] - lost["t"], 3),
+                          "step": e.get("step"), "world_size": e.get("world_size")})
+            lost = None
+    return found
+
+
 def build_summary(run_dir: str | Path) -> dict[str, Any]:
     """Summarize the latest launch in ``run_dir`` from its append-only files."""
     run_dir = Path(run_dir)
@@ -60,6 +83,7 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         "final_loss": finished.get("final_loss", metrics[-1]["loss"] if metrics else None),
         "first_loss": metrics[0]["loss"] if metrics else None,
         "world_size_history": world_size_history(events),
+        "recoveries": recoveries(events),
         "wall_s": (run_finished["t"] - start) if run_finished and start else None,
         "params_sha256": finished.get("params_sha256"),
         "restarts": sum(1 for e in events if e["event"] == "restart"),
@@ -68,6 +92,8 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
     }
     if status != "succeeded":
         summary["root_cause"] = root_cause(events)
+        if run_finished and run_finished.get("reason"):
+            summary["failure_reason"] = run_finished["reason"]  # the controller's own account (budgets, MIN)
     return summary
 
 
