@@ -159,3 +159,43 @@ def test_up_replaces_the_leftovers_of_a_crashed_cluster():
     finally:
         run_orch("testcluster", "down", name)
     assert leftovers(name) == []
+
+
+@pytest.mark.testcluster(nodes=2)
+def test_a_cut_off_node_whose_agent_gave_up_gets_a_fresh_agent_once_healed(testcluster, tmp_path):
+    """The launcher side of a partition, without a job: a cut-off node's agent that exits non-zero is lost (not
+    failed), and its node is handed back for a fresh agent only once its link is up again."""
+    from orchestrator.config.schema import RendezvousConfig
+    from orchestrator.rendezvous import RendezvousStore
+    from orchestrator.report.runlog import EventLog
+    from orchestrator.testcluster.watch import ClusterWatch
+
+    store = RendezvousStore(testcluster.store_address)
+    events, t0 = EventLog(tmp_path), time.time()
+    watch = ClusterWatch(testcluster.state, str(tmp_path), "rid", events, RendezvousConfig(), since=t0,
+                         store_port=store.port)
+
+    def tick():
+        watch._next_poll = 0.0
+        return watch.poll({}, lambda node: False)
+
+    try:
+        assert watch.exit_reason(1, 1, t0) is None, "no partition: an agent exiting 1 is a failure"
+        testcluster.partition(1)
+        assert watch.exit_reason(1, 1, t0) == "cut off by a network partition (agent exited with code 1)"
+        assert tick() == []
+        testcluster.heal(1)
+        assert tick() == [1] and tick() == []
+        assert [(e["event"], e["node"]) for e in events.read()] == [("chaos_partition", 1), ("chaos_heal", 1)]
+    finally:
+        watch.close()
+        store.close()
+
+
+def test_fixture_skips_with_one_line_where_namespaces_are_not_allowed(monkeypatch):
+    from orchestrator.testcluster import pytest_plugin
+
+    monkeypatch.setattr(pytest_plugin, "_probe_result", [])
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    reason = pytest_plugin.testcluster_unavailable()
+    assert reason.startswith("the testcluster fixture needs root") and "\n" not in reason
