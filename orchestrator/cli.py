@@ -60,7 +60,32 @@ def format_summary(summary: dict, run_dir: str) -> str:
              f"world size {'->'.join(map(str, summary['world_size_history']))}" if summary["world_size_history"] else "",
              f"{summary['samples_per_s']:.1f} samples/s" if summary.get("samples_per_s") else "",
              f"{summary['wall_s']:.1f} s" if summary.get("wall_s") else ""]
-    return ", ".join(p for p in parts if p) + f"\nrun dir: {run_dir}"
+    details = "".join(f"\n  {line}" for line in summary_details(summary))
+    return ", ".join(p for p in parts if p) + details + f"\nrun dir: {run_dir}"
+
+
+def summary_details(summary: dict) -> list[str]:
+    """Step-time breakdown, scaling efficiency, recoveries and goodput, where the summary has them."""
+    lines = []
+    step = summary.get("step_time")
+    if step and step.get("step_time_s"):
+        shares = sorted(((k.removesuffix("_s"), v / step["step_time_s"]) for k, v in step.items()
+                         if k in ("data_s", "compute_s", "comm_s", "optimizer_s", "checkpoint_s", "other_s")),
+                        key=lambda kv: -kv[1])
+        lines.append(f"step time {1e3 * step['step_time_s']:.1f} ms: " + ", ".join(f"{k} {v:.0%}" for k, v in shares))
+    scaling = summary.get("scaling_efficiency")
+    if scaling:
+        effs = ", ".join(f"{v:.2f} at world size {k}" for k, v in scaling["by_world_size"].items()
+                         if int(k) != scaling["baseline_world_size"])
+        lines.append(f"scaling efficiency {effs} (against world size {scaling['baseline_world_size']} in this run)")
+    if summary.get("recoveries"):
+        mttrs = ", ".join(f"{r['mttr_s']:.1f} s" for r in summary["recoveries"])
+        lines.append(f"recoveries {len(summary['recoveries'])}: MTTR {mttrs}")
+    goodput = summary.get("goodput")
+    if goodput:
+        badput = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in (goodput.get("badput") or {}).items() if v >= 0.05)
+        lines.append(f"goodput {goodput['goodput']:.1%}" + (f" (badput: {badput})" if badput else ""))
+    return lines
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -116,6 +141,35 @@ def cmd_bench_recovery(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_scaling(args: argparse.Namespace) -> int:
+    from orchestrator.bench.scaling import main_scaling_bench
+
+    main_scaling_bench(args.overrides, out=args.out, run_root=args.run_root, warmup_steps=args.warmup_steps,
+                       repeats=args.repeats)
+    return 0
+
+
+def cmd_bench_overhead(args: argparse.Namespace) -> int:
+    from orchestrator.bench.overhead import main_overhead_bench
+
+    main_overhead_bench(out=args.out, repeats=args.repeats, steps=args.steps, timing_steps=args.timing_steps)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from orchestrator.report.report import write_report
+
+    report = write_report(args.run_dir, baseline=args.baseline, warmup_steps=args.warmup_steps)
+    if report["kind"] == "run":
+        print(format_summary(report["summary"], report["run_dir"]).rsplit("\nrun dir:", 1)[0])
+        if report["efficiency"] and args.baseline:
+            base = report["efficiency"]["baseline"]
+            effs = ", ".join(f"{v:.2f} at world size {k}" for k, v in report["efficiency"]["by_world_size"].items())
+            print(f"  scaling efficiency {effs} (against world size {base['world_size']} of {base['run_dir']})")
+    print("written: " + ", ".join(report["files"]))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="orch", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -130,6 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the preset, then Hydra overrides (key=value, +key=value, ~key)")
     p.add_argument("--dry-run", action="store_true", help="print the launch plan and start nothing")
     p.set_defaults(func=cmd_launch)
+
+    p = sub.add_parser("report", help="report.md, report.json and PNG plots of a run dir (or a bench scaling dir)")
+    p.add_argument("run_dir", help="a run dir (or the directory `orch bench scaling` wrote)")
+    p.add_argument("--baseline", metavar="RUN_DIR", help="a run of the same config at a smaller world size (usually 1): "
+                   "scaling efficiency against its throughput")
+    p.add_argument("--warmup-steps", type=int, default=0,
+                   help="steps after each attempt's first logged step left out of throughput (default 0)")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("doctor", help="check torch, CUDA/NCCL/gloo, shared memory, Ray and free ports")
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
@@ -162,6 +224,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the result as JSON to this file")
     p.add_argument("--size-mb", type=float, default=100.0, help="model + optimizer state size (default 100)")
     p.set_defaults(func=cmd_bench_ckpt)
+    p = bench.add_parser("scaling", help="throughput, scaling efficiency and comm fraction at each world size",
+                         usage="orch bench scaling conf=NAME world_sizes=[1,2,...] [key=value ...] [--out FILE.json]")
+    p.add_argument("overrides", nargs="*", metavar="conf=NAME | world_sizes=[..] | key=value",
+                   help="the preset, the world sizes, then Hydra overrides for every run")
+    p.add_argument("--out", help="write the rows as JSON to this file")
+    p.add_argument("--run-root", help="where the runs go (default runs/bench-scaling/<preset>-<timestamp>)")
+    p.add_argument("--warmup-steps", type=int, default=5,
+                   help="steps after each run's first logged step left out of throughput (default 5)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per world size, in alternating order; rows hold medians (default 1)")
+    p.set_defaults(func=cmd_bench_scaling)
+    p = bench.add_parser("overhead", help="orch vs a plain torchrun script of the same DDP job; per-step timing cost")
+    p.add_argument("--out", help="write {throughput_ratio, first_step_ratio, ...} as JSON to this file")
+    p.add_argument("--steps", type=int, default=150, help="training steps per run (default 150)")
+    p.add_argument("--repeats", type=int, default=4, help="runs of each, alternating (default 4)")
+    p.add_argument("--timing-steps", type=int, default=300,
+                   help="alternating steps with and without per-step timing (default 300)")
+    p.set_defaults(func=cmd_bench_overhead)
     p = bench.add_parser("recovery", help="time to recover from a lost node: bare torchrun vs orch, same job and kill")
     p.add_argument("--out", help="write {orch_mttr_s, torchrun_mttr_s, ratio} as JSON to this file")
     p.add_argument("--kill-at-step", type=int, default=10, help="kill node 1 once this step completed (default 10)")

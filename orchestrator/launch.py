@@ -6,6 +6,7 @@ exits 2 with no run dir left behind.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import sys
 import time
@@ -18,6 +19,7 @@ from orchestrator.config.schema import OrchConfig
 from orchestrator.errors import Interrupted, Preempted, RunFailed
 from orchestrator.plan.plan import CONFIG_FILE, build_plan
 from orchestrator.plan.resources import check_local_resources
+from orchestrator.report.progress import RunProgress
 from orchestrator.report.summary import write_summary
 from orchestrator.testcluster.state import state_for_launch
 
@@ -65,9 +67,13 @@ def launch(cfg: OrchConfig, dry_run: bool = False, echo: Optional[TextIO] = sys.
         return {"status": "dry-run", "plan": plan}
     check_local_resources(plan)
     preflight_checkpoints(cfg)
+    # Live progress (tailing the run dir) shares the terminal with node output: launchers write through it.
+    progress = RunProgress(cfg.run.dir, cfg.trainer.max_steps if cfg.entrypoint.builtin else None, echo) if echo else None
+    echo = progress.echo if progress else echo
     launcher = _launcher(cfg, run_id, echo)  # the Ray launcher connects here: unreachable exits 2, no run dir
     write_config(cfg, cfg.run.dir)
-    status = launcher.run()
+    with progress or contextlib.nullcontext():
+        status = launcher.run()
     summary = write_summary(cfg.run.dir)
     if status == "preempted":
         raise Preempted(f"run preempted: every node saved an emergency checkpoint and left; launch the same "

@@ -27,6 +27,16 @@ CLIENT = ("import socket,sys\ntry:\n c = socket.create_connection((sys.argv[1], 
           " print('reached', c.recv(64).decode(), c.getsockname()[0])\nexcept OSError as e:\n print('unreachable', e)")
 
 
+@pytest.fixture
+def netns_allowed():
+    """For tests that make their own clusters through the CLI: skip where the fixture would skip."""
+    from orchestrator.testcluster.pytest_plugin import testcluster_unavailable
+
+    reason = testcluster_unavailable()
+    if reason:
+        pytest.skip(f"testcluster: {reason}")
+
+
 def test_cluster_plan_names_hosts_and_addresses():
     state = plan_cluster("ci", 3, subnet_index=77)
     assert [n.address for n in state.nodes] == ["10.213.77.10", "10.213.77.11", "10.213.77.12"]
@@ -114,7 +124,7 @@ def test_hosts_reach_each_other_by_name_and_faults_cut_them_off(testcluster):
         server.kill()
 
 
-def test_cli_up_status_down_leaves_nothing_behind():
+def test_cli_up_status_down_leaves_nothing_behind(netns_allowed):
     name = f"cli{os.getpid() % 10000}"
     try:
         r = run_orch("testcluster", "up", "--nodes", "2", "--name", name)
@@ -141,7 +151,7 @@ def test_cli_up_status_down_leaves_nothing_behind():
         run_orch("testcluster", "down", name)
 
 
-def test_up_replaces_the_leftovers_of_a_crashed_cluster():
+def test_up_replaces_the_leftovers_of_a_crashed_cluster(netns_allowed):
     name = f"crash{os.getpid() % 10000}"
     try:
         assert run_orch("testcluster", "up", "--nodes", "3", "--name", name).returncode == 0

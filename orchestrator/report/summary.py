@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from orchestrator.report.efficiency import run_efficiency
 from orchestrator.report.runlog import EVENTS_FILE, METRICS_FILE, read_jsonl
 
 SUMMARY_FILE = "summary.json"
@@ -89,6 +90,7 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         "restarts": sum(1 for e in events if e["event"] == "restart"),
         "nodes_lost": sum(1 for e in events if e["event"] == "node_lost"),
         "samples_per_s": (sum(m["samples_per_s"] for m in metrics) / len(metrics)) if metrics else None,
+        **run_efficiency(metrics),  # throughput_by_world_size, scaling_efficiency, step_time
     }
     if status != "succeeded":
         summary["root_cause"] = root_cause(events)

@@ -24,6 +24,7 @@ from orchestrator.runtime.distributed import DistContext, select_device
 from orchestrator.runtime.precision import MixedPrecision
 from orchestrator.runtime.preemption import PreemptionResponse
 from orchestrator.runtime.sampler import GlobalBatchSampler
+from orchestrator.runtime.timing import StepTimer, timer_for, with_other
 
 
 DDP_PARAMS = inspect.signature(DDP.__init__).parameters
@@ -56,9 +57,11 @@ class Trainer:
     """Trains ``cfg.model`` on ``cfg.data`` for ``cfg.trainer.max_steps`` optimizer steps in the current
     process group. Rank 0 writes metrics.jsonl and the run's training events into ``run_dir``."""
 
-    def __init__(self, cfg: OrchConfig, ctx: DistContext, run_dir: str, events: EventLog):
+    def __init__(self, cfg: OrchConfig, ctx: DistContext, run_dir: str, events: EventLog,
+                 timer: Optional[StepTimer] = None):
         self.cfg, self.ctx, self.run_dir, self.events = cfg, ctx, run_dir, events
         self.device = select_device(cfg.cluster.device, ctx.local_rank)
+        self.timer = timer or timer_for(self.device)  # per-step time breakdown (runtime/timing.py)
         seed_everything(cfg.trainer.seed)  # identical init on every rank, before DDP's broadcast makes sure
         self.raw_model = instantiate(cfg.model, _convert_="all").to(self.device)
         self.model = self._wrap(self.raw_model)
@@ -77,7 +80,7 @@ class Trainer:
         d = self.cfg.ddp
         # Newer torch renamed broadcast_buffers (per-forward buffer sync) to forward_sync_buffers.
         buffers_flag = "forward_sync_buffers" if "forward_sync_buffers" in DDP_PARAMS else "broadcast_buffers"
-        return DDP(
+        ddp = DDP(
             model,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
             static_graph=d.static_graph,
@@ -86,6 +89,8 @@ class Trainer:
             bucket_cap_mb=d.bucket_cap_mb,
             **{buffers_flag: d.broadcast_buffers},
         )
+        self.timer.register(ddp)
+        return ddp
 
     def _loader(self) -> tuple[GlobalBatchSampler, DataLoader]:
         t, d = self.cfg.trainer, self.cfg.data
@@ -112,6 +117,7 @@ class Trainer:
         with anomaly:
             while self.progress.step < t.max_steps:
                 step_start = time.perf_counter()
+                self.timer.mark()
                 loss, sample_ids = self.train_step(batches, sampler.accumulation_steps)
                 self.progress.step += 1
                 self.progress.samples_consumed += t.global_batch_size
@@ -135,12 +141,14 @@ class Trainer:
         for micro in range(accumulation_steps):
             batch = next(batches)
             sample_ids += batch["sample_id"].tolist()
+            self.timer.lap("data")
             sync = micro == accumulation_steps - 1
             with (contextlib.nullcontext() if sync else self.model.no_sync()), self.precision.autocast():
                 loss = self.model(batch["input_ids"].to(self.device, non_blocking=True),
                                   batch["labels"].to(self.device, non_blocking=True)) / accumulation_steps
             self.precision.scaler.scale(loss).backward()
             total += loss.detach()
+            self.timer.lap_backward()
         scaler = self.precision.scaler
         if self.cfg.trainer.grad_clip_norm is not None:
             scaler.unscale_(self.optimizer)
@@ -149,17 +157,25 @@ class Trainer:
         scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.timer.lap("optimizer")
         return total, sample_ids
 
     def after_step(self) -> None:
         """Work at every step boundary: a coordinated emergency checkpoint on notice, else periodic ones."""
         self.preemption.check()  # raises PreemptedExit after the emergency checkpoint
+        self.timer.mark()
         self.checkpoints.maybe_save()
+        self.timer.lap("checkpoint")
 
     def _log_metrics(self, loss: torch.Tensor, window_s: float, window_steps: int, step_time_s: float) -> None:
         # The all-reduce runs only on logging steps, which every rank agrees on, to keep the loop lean.
-        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-        self.last_loss = loss.item() / self.ctx.world_size
+        # The step-time breakdown rides along in the same all-reduce: the record holds its mean over ranks.
+        timing = self.timer.window(window_steps)
+        packed = torch.cat([loss.reshape(1).float(), torch.tensor(list(timing.values()), device=loss.device)])
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+        totals = packed.tolist()
+        self.last_loss = totals[0] / self.ctx.world_size
+        timing = {k: v / self.ctx.world_size for k, v in zip(timing, totals[1:])}
         if not self.ctx.is_main:
             return
         record = {
@@ -169,6 +185,8 @@ class Trainer:
             "step_time_s": window_s / window_steps, "last_step_time_s": step_time_s,
             "restart_count": self.ctx.restart_count,
         }
+        if timing:
+            record["timing"] = with_other(timing, record["step_time_s"])
         if self.precision.scaler.is_enabled():
             record["grad_scale"] = self.precision.scaler.get_scale()
         append_jsonl(Path(self.run_dir) / METRICS_FILE, record)

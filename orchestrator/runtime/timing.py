@@ -1,0 +1,148 @@
+"""Where each training step's time goes: data wait, compute, gradient communication, optimizer, checkpoint.
+
+The loop marks phase boundaries with :class:`StepTimer` (host wall clock, ``time.perf_counter``), and the
+timer's DDP comm hook marks when each gradient bucket is handed to all-reduce. What each field measures,
+per optimizer step:
+
+- ``data_s``: blocked in ``next(loader)``, every micro-batch of the step.
+- ``compute_s``: forward + backward of every micro-batch, minus ``comm_s``.
+- ``comm_s``: *exposed* gradient communication. DDP launches a bucket's all-reduce as soon as its gradients
+  are ready, and ``backward()`` returns only once every bucket's future has completed; so the time from the
+  launch of the step's last bucket to the return of ``backward()`` is communication that compute did not
+  hide (plus copying the reduced buckets into ``.grad``: microseconds).
+- ``comm_inflight_s``: wall time during which at least one bucket's all-reduce was in flight, from its
+  launch to its future's completion (a ``then`` callback on the future); overlaps backward compute. Host
+  clock, so only on CPU: on CUDA a future completes when the work is enqueued, not done, and it is omitted.
+- ``optimizer_s``: unscale, gradient clipping, optimizer step, scaler update, LR scheduler, ``zero_grad``.
+- ``checkpoint_s``: the loop blocked by a periodic checkpoint save (state snapshot, RNG gather; an async
+  save's write overlaps the following steps and is not counted).
+- ``other_s`` (filled in by the caller from the step time): everything else, e.g. the preemption agreement
+  (one small all-reduce per step), metrics logging, Python loop overhead.
+
+On CUDA kernels run asynchronously, so host-side phases show where the host *waited*: GPU work lands in the
+phase that first synchronizes with it. The breakdown is exact on CPU, indicative on GPU.
+
+Cost: a handful of ``perf_counter`` calls per step and one Python callback per bucket; ``orch bench
+overhead`` measures it (``timing_overhead``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Callable, Optional
+
+if TYPE_CHECKING:  # torch is imported where it is used: reports read PHASES without loading torch
+    import torch
+
+PHASES = ("data", "compute", "comm", "optimizer", "checkpoint")
+
+
+def union_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by ``(start, end)`` intervals, overlaps counted once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+class StepTimer:
+    """Accumulates phase times over a log window; :meth:`window` returns per-step means and starts anew.
+
+    The loop calls :meth:`mark` where a phase starts, :meth:`lap` where it ends, :meth:`lap_backward` after
+    ``backward()`` (splitting compute from exposed communication); :meth:`register` installs the comm hook.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, inflight: bool = True):
+        self._clock = clock
+        self._inflight_enabled = inflight
+        self._totals = dict.fromkeys(PHASES, 0.0)
+        self._intervals: list[tuple[float, float]] = []
+        self._last = clock()
+        self._last_launch: Optional[float] = None
+
+    def register(self, ddp: "torch.nn.parallel.DistributedDataParallel") -> None:
+        """Time the all-reduce of every gradient bucket of ``ddp`` (torch's default allreduce, wrapped)."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        self._allreduce = allreduce_hook
+        ddp.register_comm_hook(None, self.comm_hook)
+
+    def comm_hook(self, process_group, bucket):  # no annotations: DDP rejects the string ones of this module
+        """torch's ``allreduce_hook`` (what DDP does without a hook), plus the launch and completion times.
+
+        ``process_group``: DDP's hook state (None: the default group); ``bucket``: a ``dist.GradBucket``.
+        Returns the future of the averaged bucket, as DDP requires."""
+        start = self._clock()
+        self._last_launch = start
+        future = self._allreduce(process_group, bucket)
+        if not self._inflight_enabled:
+            return future
+
+        def completed(fut: "torch.futures.Future[torch.Tensor]") -> "torch.Tensor":
+            self._intervals.append((start, self._clock()))  # list.append: atomic, from the comm thread
+            return fut.value()
+
+        return future.then(completed)
+
+    def mark(self) -> None:
+        """A phase starts now."""
+        self._last = self._clock()
+
+    def lap(self, phase: str) -> None:
+        """``phase`` ended now: add the time since the previous mark or lap to it."""
+        now = self._clock()
+        self._totals[phase] += now - self._last
+        self._last = now
+
+    def lap_backward(self) -> None:
+        """A forward + backward ended now: compute, except what followed the last bucket launch (comm)."""
+        now = self._clock()
+        launched = self._last_launch
+        exposed = now - launched if launched is not None and launched >= self._last else 0.0
+        self._totals["comm"] += exposed
+        self._totals["compute"] += now - self._last - exposed
+        self._last, self._last_launch = now, None
+
+    def window(self, steps: int) -> dict[str, float]:
+        """Mean seconds per step of each phase since the previous window (``{phase}_s``); resets."""
+        means = {f"{phase}_s": total / steps for phase, total in self._totals.items()}
+        if self._inflight_enabled:
+            means["comm_inflight_s"] = union_seconds(self._intervals) / steps
+        self._totals = dict.fromkeys(PHASES, 0.0)
+        self._intervals = []
+        return means
+
+
+class NullStepTimer(StepTimer):
+    """Measures nothing and installs no hook: DDP keeps its built-in C++ all-reduce (the untimed baseline)."""
+
+    def __init__(self) -> None:
+        pass
+
+    def register(self, ddp) -> None:
+        pass
+
+    def mark(self) -> None:
+        pass
+
+    def lap(self, phase: str) -> None:
+        pass
+
+    def lap_backward(self) -> None:
+        pass
+
+    def window(self, steps: int) -> dict[str, float]:
+        return {}
+
+
+def with_other(means: dict[str, float], step_time_s: float) -> dict[str, float]:
+    """``means`` plus ``other_s``: the part of ``step_time_s`` no phase accounts for (never negative)."""
+    measured = sum(means.get(f"{phase}_s", 0.0) for phase in PHASES)
+    return {**means, "other_s": max(0.0, step_time_s - measured)}
+
+
+def timer_for(device: "torch.device") -> StepTimer:
+    """The step timer of a trainer on ``device`` (in-flight comm times only where the host clock sees them)."""
+    return StepTimer(inflight=device.type == "cpu")

@@ -1,0 +1,70 @@
+"""`orch bench scaling` and `orch bench overhead`: they run and write what they promise (numbers: docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from orchestrator.bench import overhead, scaling
+from orchestrator.errors import UserError
+from orchproc import run_orch
+
+
+@pytest.mark.timeout(30)
+def test_world_sizes_and_overrides_are_parsed():
+    assert scaling.split_bench_args(["conf=cpu_gloo", "world_sizes=[2,1,2]", "trainer.max_steps=9"]) == (
+        "cpu_gloo", [1, 2], ["trainer.max_steps=9"])
+    assert scaling.parse_world_sizes("1,4") == [1, 4]
+    for bad in ("[0,1]", "[a]", "[]"):
+        with pytest.raises(UserError, match="world_sizes="):
+            scaling.parse_world_sizes(bad)
+    with pytest.raises(UserError, match="world_sizes"):
+        scaling.split_bench_args(["conf=cpu_gloo"])
+    assert scaling.shape_overrides(4, 2) == ["cluster.nnodes=2", "cluster.nproc_per_node=2"]
+    assert scaling.shape_overrides(3, 2) == ["cluster.nnodes=3", "cluster.nproc_per_node=1"]
+
+
+@pytest.mark.timeout(30)
+def test_warning_when_the_machine_has_fewer_cores_than_workers():
+    assert scaling.core_warning([1, 2], "cpu", cores=2) is None
+    assert "2 CPU core(s) but world size 4 runs 4 worker processes" in scaling.core_warning([1, 4], "cpu", cores=2)
+    assert scaling.core_warning([1, 16], "cuda", cores=2) is None
+
+
+@pytest.mark.timeout(30)
+def test_overhead_throughput_is_per_window_after_warmup():
+    marks = {5: 0.0, 10: 0.5, 20: 1.0, 25: 2.0, 30: 2.25}
+    assert overhead.window_throughputs(marks, 16, warmup_steps=10) == pytest.approx([320.0, 80.0, 320.0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_scaling_runs_and_comm_fraction_tracks_world_size(tmp_path):
+    out = tmp_path / "scaling.json"
+    result = run_orch("bench", "scaling", "conf=cpu_gloo", "world_sizes=[2]", "trainer.max_steps=30",
+                      f"--run-root={tmp_path / 'runs'}", f"--out={out}", timeout=280)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "world_size  samples_per_s efficiency comm_fraction" in result.stdout
+    rows = {r["world_size"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {1, 2} and not rows[1]["requested"], "world size 1 always runs, as the baseline"
+    assert rows[1]["efficiency"] == 1.0 and rows[2]["efficiency"] > 0
+    assert rows[2]["efficiency"] == pytest.approx(rows[2]["samples_per_s"] / (2 * rows[1]["samples_per_s"]))
+    assert all(r["steps_measured"] == 20 for r in rows.values()), "steps 1-10 are warm-up"
+    # World size 1 has nothing to exchange (DDP still all-reduces with itself: a copy); world size 2 does.
+    assert rows[1]["comm_fraction"] < 0.1, rows[1]
+    assert rows[2]["comm_fraction"] > 0.03 and rows[2]["comm_fraction"] > rows[1]["comm_fraction"], rows
+    assert (tmp_path / "runs" / "scaling.json").exists() and rows[2]["run_dirs"] == [str(tmp_path / "runs" / "ws2")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_bench_overhead_runs_plain_torchrun_and_orch(tmp_path):
+    out = tmp_path / "overhead.json"
+    result = run_orch("bench", "overhead", "--repeats=1", "--steps=30", "--timing-steps=40", f"--out={out}", timeout=380)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["throughput_ratio"] > 0 and data["first_step_ratio"] > 0
+    assert data["plain"]["samples_per_s"] > 0 and data["orch"]["samples_per_s"] > 0
+    assert 0 < data["timing_overhead"] < 0.05 and data["buckets"] >= 1
+    assert "throughput_ratio (orch / plain)" in result.stdout
