@@ -190,8 +190,9 @@ def leftovers(name: str) -> list[str]:
     return left
 
 
-def record_fault(state: ClusterState, fault: str, node: int, **fields) -> dict:
-    record = {"t": time.time(), "fault": fault, "node": node, "hostname": state.nodes[node].hostname, **fields}
+def record_fault(state: ClusterState, fault: str, node: int, t: float, **fields) -> dict:
+    """Append a fault that happened at ``t`` to the cluster's fault log."""
+    record = {"t": t, "fault": fault, "node": node, "hostname": state.nodes[node].hostname, **fields}
     append_jsonl(faults_path(state.name), record)
     return record
 
@@ -199,25 +200,25 @@ def record_fault(state: ClusterState, fault: str, node: int, **fields) -> dict:
 def partition(name: str, node: int) -> dict:
     """Cut ``node`` off the network (its bridge port down); its processes keep running."""
     nx.require_root("orch testcluster partition")
-    state = require_state(name)
+    state, t = require_state(name), time.time()
     nx.ip("link", "set", state.node(node).host_link, "down")
-    return record_fault(state, "partition", node)
+    return record_fault(state, "partition", node, t)
 
 
 def heal(name: str, node: int) -> dict:
     """Reconnect ``node`` (its bridge port up)."""
     nx.require_root("orch testcluster heal")
-    state = require_state(name)
+    state, t = require_state(name), time.time()
     nx.ip("link", "set", state.node(node).host_link, "up")
-    return record_fault(state, "heal", node)
+    return record_fault(state, "heal", node, t)
 
 
 def kill(name: str, node: int) -> dict:
     """SIGKILL every process in ``node``'s namespace (a host crash)."""
     nx.require_root("orch testcluster kill")
-    state = require_state(name)
+    state, t = require_state(name), time.time()
     pids = nx.kill_netns_processes(state.node(node).netns)
-    return record_fault(state, "kill", node, pids=pids)
+    return record_fault(state, "kill", node, t, pids=pids)
 
 
 def faults(name: str, since: float = 0.0) -> list[dict]:

@@ -91,7 +91,8 @@ def kill_netns_processes(netns: str, timeout_s: float = 5.0) -> list[int]:
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
+                if pid not in killed:  # a dying process stays listed until its parent reaps it
+                    killed.append(pid)
             except ProcessLookupError:
                 pass
         time.sleep(0.05)
