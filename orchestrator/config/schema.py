@@ -386,3 +386,5 @@ class OrchConfig:
 
     def __post_init__(self) -> None:
         _one_of("launcher", self.launcher, LAUNCHERS)
+        _require("cluster.testcluster", self.cluster.testcluster, not self.cluster.testcluster or self.launcher == "local",
+                 "use launcher=local (test clusters do not run launcher=ray yet)", "works with launcher=local only")
