@@ -4,7 +4,8 @@ It hosts the rendezvous store itself (agents use ``is_host=false``), so killing 
 takes rendezvous down; with an elastic ``cluster.nnodes=MIN:MAX`` the survivors re-rendezvous and go on.
 A preempted simulated node (one that got a notice and left after the emergency checkpoint) is replaced by
 a fresh agent when ``preemption.replace_nodes``, as spot capacity coming back would be. Inside a Kubernetes
-pod it runs the one node of that pod. No Ray.
+pod it runs the one node of that pod (``cluster.node_index``) against the job's store
+(``rendezvous.external``: ``orch rendezvous-store`` behind a Service), hosting none itself. No Ray.
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ class LocalLauncher:
     def __init__(self, cfg: OrchConfig, run_dir: str, run_id: str, echo: Optional[TextIO] = sys.stdout,
                  nodes: Optional[list[int]] = None):
         self.cfg, self.run_dir, self.run_id, self.echo = cfg, Path(run_dir), run_id, echo
-        self.node_ids = nodes if nodes is not None else list(range(cfg.cluster.max_nodes))
+        if nodes is None:
+            index = cfg.cluster.node_index
+            nodes = [index] if index is not None else list(range(cfg.cluster.max_nodes))
+        self.node_ids = nodes
         self.events = EventLog(run_dir)
         self.agents: dict[int, NodeProcess] = {}
         self.started_at: dict[int, float] = {}
@@ -50,9 +54,10 @@ class LocalLauncher:
             require_root(f"cluster.testcluster={cfg.cluster.testcluster}")
 
     def run(self) -> str:
-        tc = self.testcluster
-        store = RendezvousStore(tc.bridge_address if tc else self.cfg.rendezvous.host, self.cfg.rendezvous.port)
-        self._plan = build_plan(self.cfg, str(self.run_dir), self.run_id, store_port=store.port, testcluster=tc)
+        tc, r = self.testcluster, self.cfg.rendezvous
+        store = None if r.external else RendezvousStore(tc.bridge_address if tc else r.host, r.port)
+        port = store.port if store else r.port
+        self._plan = build_plan(self.cfg, str(self.run_dir), self.run_id, store_port=port, testcluster=tc)
         (self.run_dir / PLAN_FILE).write_text(self._plan.to_json() + "\n")
         started = self.events.emit("launch_started", preset=self._plan.preset, run_id=self.run_id, launcher="local",
                                    nodes=len(self.node_ids), rendezvous_endpoint=self._plan.rendezvous_endpoint,
@@ -61,7 +66,7 @@ class LocalLauncher:
             from orchestrator.testcluster.watch import ClusterWatch
 
             self._watch = ClusterWatch(tc, str(self.run_dir), self.run_id, self.events, self.cfg.rendezvous,
-                                       since=started["t"], store_port=store.port)
+                                       since=started["t"], store_port=port)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         drill = PreemptionDrill(str(self.run_dir), self.cfg.preemption.schedule)
         try:
@@ -78,7 +83,8 @@ class LocalLauncher:
                     terminate_tree(agent.pid)
             if self._watch:
                 self._watch.close()
-            store.close()
+            if store is not None:
+                store.close()
         status = self._status(exits)
         self.events.emit("run_finished", status=status, node_exit_codes=exits)
         return status
@@ -184,6 +190,12 @@ class LocalLauncher:
     def _training_finished(self) -> bool:
         return self.cfg.entrypoint.builtin and any(e["event"] == "training_finished" for e in self._launch_events())
 
+    def _pod_finished(self, exits: dict[int, int]) -> bool:
+        """One node of a pod job (``cluster.node_index``): rank 0 may train in another pod, so this run dir need
+        not hold ``training_finished``; the agent's exit 0 is the evidence (torchrun exits 0 only when every
+        worker of the node returned 0, which the built-in trainer does after the last step)."""
+        return self.cfg.cluster.node_index is not None and bool(exits) and all(rc == 0 for rc in exits.values())
+
     def _status(self, exits: dict[int, int]) -> str:
         launch = self._launch_events()
         if any(e["event"] == "interrupted" for e in launch):
@@ -194,7 +206,7 @@ class LocalLauncher:
         stopped = any(e["event"] == "agents_stopped" for e in launch)
         completed = stopped or any(rc == 0 for rc in exits.values())
         if self.cfg.entrypoint.builtin:
-            completed = completed and self._training_finished()
+            completed = completed and (self._training_finished() or self._pod_finished(exits))
         else:
             completed = completed and all(rc <= 0 for rc in exits.values())
         return "succeeded" if completed else "failed"

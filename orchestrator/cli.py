@@ -170,6 +170,27 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_k8s_render(args: argparse.Namespace) -> int:
+    from orchestrator.k8s import render, write
+
+    preset, overrides = split_preset(args.overrides)
+    rendered = render(preset, overrides, args.format)
+    for warning in rendered.warnings:
+        print(f"orch: warning: {warning}", file=sys.stderr)
+    if args.output:
+        path = write(rendered, args.output)
+        print(f"wrote {path}: {rendered.summary()}")
+    else:
+        sys.stdout.write(rendered.text())
+    return 0
+
+
+def cmd_rendezvous_store(args: argparse.Namespace) -> int:
+    from orchestrator.k8s.store import serve_store
+
+    return serve_store(args.port, say=lambda line: print(line, flush=True))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="orch", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -250,13 +271,45 @@ def build_parser() -> argparse.ArgumentParser:
     from orchestrator.testcluster.cli import add_testcluster_parser
 
     add_testcluster_parser(sub)
+
+    k8s = sub.add_parser("k8s", help="Kubernetes manifests from the same config as launch").add_subparsers(
+        dest="k8s_command", required=True)
+    p = k8s.add_parser("render", help="render a preset with overrides as Kubernetes objects (YAML)",
+                       usage="orch k8s render conf=NAME [key=value ...] [--format job|pytorchjob|rayjob] [-o DIR]",
+                       description="job: plain Kubernetes (store Deployment + Indexed Job); pytorchjob: Kubeflow "
+                                   "PyTorchJob; rayjob: KubeRay RayJob. See docs/kubernetes.md.")
+    p.add_argument("overrides", nargs="*", metavar="conf=NAME | key=value",
+                   help="the preset, then Hydra overrides, as for orch launch (k8s.* shape the manifests)")
+    p.add_argument("--format", default="job", help="job (default), pytorchjob or rayjob")
+    p.add_argument("-o", "--output", metavar="DIR", help="write DIR/<format>.yaml instead of printing")
+    p.set_defaults(func=cmd_k8s_render)
+
+    p = sub.add_parser("rendezvous-store", help="host the c10d rendezvous store on its own (a Kubernetes job's store pod)")
+    p.add_argument("--port", type=int, default=29400, help="TCP port, on every interface (default 29400; 0: a free one)")
+    p.set_defaults(func=cmd_rendezvous_store)
     return parser
+
+
+def options_last(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """Move ``FLAG VALUE`` / ``FLAG=VALUE`` pairs after the positional overrides, which argparse wants together."""
+    rest, moved, i = [], [], 0
+    while i < len(argv):
+        token = argv[i]
+        if token in flags and i + 1 < len(argv):
+            moved += argv[i:i + 2]
+            i += 2
+            continue
+        (moved if token.split("=", 1)[0] in flags and "=" in token else rest).append(token)
+        i += 1
+    return rest + moved
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["launch"]:  # `--dry-run` may stand anywhere among the overrides
         argv = [a for a in argv if a != "--dry-run"] + [a for a in argv if a == "--dry-run"]
+    if argv[:2] == ["k8s", "render"]:  # options may stand anywhere among the overrides, too
+        argv = options_last(argv, ("--format", "-o", "--output"))
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -31,6 +31,9 @@ def resolve_run_dir(cfg: OrchConfig) -> str:
 
 
 def new_run_id(cfg: OrchConfig) -> str:
+    """``run.id`` if set (the pods of one Kubernetes job share it), else a new unique id."""
+    if cfg.run.id:
+        return cfg.run.id
     return f"{cfg.preset}-{time.strftime('%Y%m%d%H%M%S')}-{secrets.token_hex(3)}"
 
 

@@ -130,6 +130,9 @@ class ClusterConfig:
     testcluster: Optional[str] = None
     """Run on the test cluster of this name (``orch testcluster up --name NAME``): each simulated node's agent
     runs inside its own network namespace, with its own address and hostname. ``null``: this host's network."""
+    node_index: Optional[int] = None
+    """Local launcher: run only this node (0..MAX-1) of the job here, as each pod of a Kubernetes job does with
+    ``$(JOB_COMPLETION_INDEX)``; ``null`` runs all MAX nodes on this machine."""
 
     def __post_init__(self) -> None:
         self.nnodes = str(self.nnodes)
@@ -149,6 +152,9 @@ class ClusterConfig:
         if self.testcluster is not None:
             _require("cluster.testcluster", self.testcluster, bool(re.fullmatch(r"[a-z][a-z0-9-]{0,23}", self.testcluster)),
                      "use the NAME given to `orch testcluster up --name NAME` (a-z, 0-9, '-'), or null")
+        if self.node_index is not None:
+            _require("cluster.node_index", self.node_index, 0 <= self.node_index < self.max_nodes,
+                     f"use 0..{self.max_nodes - 1} (the job has cluster.nnodes={self.nnodes}), or null to run every node")
 
     @property
     def min_nodes(self) -> int:
@@ -190,6 +196,9 @@ class RendezvousConfig:
     """Address the rendezvous store listens on and agents connect to."""
     port: int = 0
     """Store port; 0 picks a free port at launch."""
+    external: bool = False
+    """Dial a store hosted elsewhere (``orch rendezvous-store`` behind a Kubernetes Service) at host:port instead
+    of hosting one in this launcher; needs a port."""
 
     def __post_init__(self) -> None:
         for key in ("join_timeout_s", "last_call_timeout_s", "keep_alive_interval_s"):
@@ -198,6 +207,8 @@ class RendezvousConfig:
         _require("rendezvous.keep_alive_max_attempt", self.keep_alive_max_attempt, self.keep_alive_max_attempt >= 3,
                  "use 3 or more (with fewer, a node drops out of the rendezvous after a shrink)", "is too low")
         _require("rendezvous.port", self.port, 0 <= self.port < 65536, "use 0 (auto) or a TCP port")
+        _require("rendezvous.port", self.port, self.port > 0 or not self.external,
+                 "give the external store's port (rendezvous.external=true dials host:port)", "cannot be 0 (auto)")
 
 
 @dataclass
@@ -285,6 +296,9 @@ class RunConfig:
 
     dir: Optional[str] = None
     """The run dir; ``null`` means ``runs/<preset>/<timestamp>/``."""
+    id: Optional[str] = None
+    """The run id, which is also torchrun's rendezvous id; ``null``: ``<preset>-<timestamp>-<hex>``. Every pod of
+    one Kubernetes job sets the same id, so that their nodes meet in one rendezvous."""
 
 
 PREEMPTION_SOURCES = ("sigterm", "aws", "gcp", "azure", "chaos")
@@ -338,6 +352,73 @@ class PreemptionConfig:
         _require("preemption.poll_interval_s", self.poll_interval_s, self.poll_interval_s > 0, "use a positive number")
 
 
+QUANTITY = r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)(([KMGTPE]i)|[mkMGTPE])?$"
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+
+
+@dataclass
+class K8sConfig:
+    """Kubernetes objects rendered by ``orch k8s render`` (``orch launch`` ignores this group)."""
+
+    image: str = "orch:latest"
+    """Container image with orch installed (deploy/k8s/Dockerfile builds one)."""
+    image_pull_policy: str = "IfNotPresent"
+    """``Always``, ``IfNotPresent`` or ``Never``."""
+    name: Optional[str] = None
+    """Name of the rendered objects and the run id every pod shares; ``null``: ``orch-<preset>`` (``_`` -> ``-``)."""
+    namespace: Optional[str] = None
+    """``metadata.namespace`` of every object; ``null``: the namespace they are applied to."""
+    service_account: Optional[str] = None
+    """Service account of the training pods (e.g. one bound to a cloud IAM role for the checkpoint bucket)."""
+    cpu: Optional[str] = None
+    """CPU request of a training pod; ``null``: one CPU per worker process and per DataLoader worker."""
+    memory: Optional[str] = None
+    """Memory request and limit of a training pod; ``null``: 4Gi per worker process on cpu, 16Gi on cuda."""
+    shm_size: Optional[str] = None
+    """Size of the memory-backed /dev/shm (it counts against the memory limit); ``null``: 1Gi per worker process."""
+    gpu_resource_name: Optional[str] = "nvidia.com/gpu"
+    """Extended resource a cuda pod requests, nproc_per_node of them (``amd.com/gpu``, ...)."""
+    checkpoint_secret: Optional[str] = "orch-checkpoint-credentials"
+    """Secret whose keys become environment variables of every training pod (``envFrom``), e.g.
+    AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL; ``null``: none (e.g. workload identity)."""
+    env: dict = field(default_factory=dict)
+    """Extra environment variables of the training pods (``{NAME: value}``)."""
+    spot_node_selector: dict = field(default_factory=dict)
+    """Node labels the training pods require, e.g. ``{cloud.google.com/gke-spot: "true"}``; the rendezvous store
+    never gets them (keep it off spot nodes)."""
+    spot_tolerations: list = field(default_factory=list)
+    """Tolerations of the training pods, for the taint of a spot node pool (``{key, operator, value, effect}``)."""
+    backoff_limit: int = 3
+    """Pod failures the job retries before it fails (job: backoffLimit, pytorchjob: runPolicy.backoffLimit,
+    rayjob: backoffLimit). A pod that exits 75 (preempted, after its emergency checkpoint) or is disrupted never
+    counts in the job format."""
+    termination_grace_margin_s: int = 15
+    """Added to preemption.grace_period_s for ``terminationGracePeriodSeconds``: time for orch itself to collect
+    its nodes' exits after their emergency checkpoint."""
+    ray_version: str = "2.40.0"
+    """rayjob: ``rayClusterSpec.rayVersion`` (the Ray in the image)."""
+    run_dir_claim: Optional[str] = "orch-runs"
+    """rayjob: a ReadWriteMany PersistentVolumeClaim mounted at /runs on every Ray pod: the Ray launcher's run
+    dir must be on storage every node sees."""
+
+    def __post_init__(self) -> None:
+        _require("k8s.image", self.image, bool(self.image), "give the image with orch installed, e.g. k8s.image=orch:latest")
+        _one_of("k8s.image_pull_policy", self.image_pull_policy, PULL_POLICIES)
+        if self.name is not None:
+            _require("k8s.name", self.name, len(self.name) <= 40 and re.match(DNS_LABEL, self.name) is not None,
+                     "use at most 40 lower-case letters, digits and '-', starting and ending alphanumeric")
+        for key in ("cpu", "memory", "shm_size"):
+            value = getattr(self, key)
+            if value is not None:
+                setattr(self, key, str(value))
+                _require(f"k8s.{key}", value, re.match(QUANTITY, str(value)) is not None,
+                         "use a Kubernetes quantity, e.g. 4, 500m, 16Gi, or null for the default")
+        _require("k8s.backoff_limit", self.backoff_limit, self.backoff_limit >= 0, "use 0 or more")
+        _require("k8s.termination_grace_margin_s", self.termination_grace_margin_s,
+                 self.termination_grace_margin_s >= 0, "use 0 or more seconds")
+
+
 @dataclass
 class FailureConfig:
     """How the Ray controller spends its budgets: user-code failures and lost nodes are counted apart, so a
@@ -383,6 +464,7 @@ class OrchConfig:
     run: RunConfig = field(default_factory=RunConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
+    k8s: K8sConfig = field(default_factory=K8sConfig)
 
     def __post_init__(self) -> None:
         _one_of("launcher", self.launcher, LAUNCHERS)

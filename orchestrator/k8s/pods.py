@@ -1,0 +1,195 @@
+"""Pod pieces every format shares: names, labels, the training container, resources, /dev/shm, spot placement,
+and the checks that refuse a config no cluster could run well.
+
+Everything here is a pure function of the composed config: no cluster, no network, no clock, so the rendered
+manifests are byte-for-byte reproducible.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Iterable, Optional
+
+from orchestrator.checkpoint.storage import url_scheme
+from orchestrator.config.schema import OrchConfig
+from orchestrator.errors import ConfigError, Preempted, UserError
+
+DEFAULT_STORE_PORT = 29400  # torchrun's customary c10d port
+POD_LOCAL_SCHEMES = ("file", "local", "memory")
+SHM_VOLUME = "dshm"
+PREEMPTED_EXIT = Preempted.exit_code  # 75: orch saved an emergency checkpoint and left; run it again
+USER_ERROR_EXIT = UserError.exit_code  # 2: a bad config or image fails the same way on every retry
+
+
+def object_name(cfg: OrchConfig) -> str:
+    """``k8s.name``, else ``orch-<preset>`` made a DNS label (lower case, ``_`` -> ``-``, at most 40 chars)."""
+    if cfg.k8s.name:
+        return cfg.k8s.name
+    return re.sub(r"[^a-z0-9-]+", "-", f"orch-{cfg.preset}".lower()).strip("-")[:40].rstrip("-")
+
+
+def store_service(cfg: OrchConfig) -> str:
+    """The Service (and Deployment) name of the job's rendezvous store; also its DNS name in the namespace."""
+    return f"{object_name(cfg)}-rdzv"
+
+
+def store_port(cfg: OrchConfig) -> int:
+    return cfg.rendezvous.port or DEFAULT_STORE_PORT
+
+
+def labels(cfg: OrchConfig, component: str) -> dict[str, str]:
+    """Labels naming the run: every object and pod of one render carries the same instance label."""
+    return {"app.kubernetes.io/name": "orch", "app.kubernetes.io/instance": object_name(cfg),
+            "app.kubernetes.io/component": component, "orch/preset": cfg.preset}
+
+
+def selector(cfg: OrchConfig, component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/instance": object_name(cfg), "app.kubernetes.io/component": component}
+
+
+def metadata(cfg: OrchConfig, name: str, component: str) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "labels": labels(cfg, component)}
+    if cfg.k8s.namespace:
+        meta["namespace"] = cfg.k8s.namespace
+    return meta
+
+
+def override_key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def passthrough(overrides: Iterable[str], set_here: Iterable[str]) -> list[str]:
+    """The user's overrides as the pods must see them: ``k8s.*`` shapes only the manifests, and the keys the
+    format sets itself (``set_here``) are left out so that each appears once."""
+    own = set(set_here)
+    return [o for o in overrides if override_key(o) not in own and override_key(o).split(".")[0] != "k8s"]
+
+
+def node_launch_args(cfg: OrchConfig, overrides: Iterable[str], node_index: str) -> list[str]:
+    """``orch launch`` for the one node of a pod: the local launcher, dialing the job's store (never hosting
+    one), under the run id every pod shares. ``node_index`` is the pod's index, e.g. ``$(JOB_COMPLETION_INDEX)``."""
+    own = {"launcher": "local", "cluster.node_index": node_index, "rendezvous.external": "true",
+           "rendezvous.host": store_service(cfg), "rendezvous.port": str(store_port(cfg)), "run.id": object_name(cfg)}
+    return ["launch", f"conf={cfg.preset}", *passthrough(overrides, own), *(f"{k}={v}" for k, v in own.items())]
+
+
+def termination_grace_s(cfg: OrchConfig) -> int:
+    """The preemption grace orch plans its emergency checkpoint for, plus time for orch to collect the exits."""
+    return math.ceil(cfg.preemption.grace_period_s) + cfg.k8s.termination_grace_margin_s
+
+
+def gpus_per_pod(cfg: OrchConfig) -> int:
+    return cfg.cluster.nproc_per_node if cfg.cluster.device == "cuda" else 0
+
+
+def k8s_str(value: Any) -> str:
+    """YAML/Hydra give ``true`` as a bool; Kubernetes label values and env values are strings."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def resources(cfg: OrchConfig) -> dict[str, Any]:
+    """Requests and limits of a training pod: memory limited at its request (no surprise OOM kills of a
+    neighbour), CPU unlimited (no throttling of the data loaders), GPUs as the extended resource."""
+    k, c = cfg.k8s, cfg.cluster
+    per_process = 16 if c.device == "cuda" else 4
+    cpu = k.cpu or str(c.nproc_per_node * (1 + cfg.data.num_workers))
+    memory = k.memory or f"{c.nproc_per_node * per_process}Gi"
+    result: dict[str, Any] = {"requests": {"cpu": cpu, "memory": memory}, "limits": {"memory": memory}}
+    gpus = gpus_per_pod(cfg)
+    if gpus:
+        result["requests"][k.gpu_resource_name] = str(gpus)
+        result["limits"][k.gpu_resource_name] = str(gpus)
+    return result
+
+
+def training_env(cfg: OrchConfig, extra: Optional[list[dict[str, Any]]] = None) -> list[dict[str, Any]]:
+    """Environment of a training container. torchrun publishes the pod IP (``PET_LOCAL_ADDR``, its
+    ``--local-addr``) as the address other pods dial for rank 0, so no pod needs a resolvable hostname."""
+    env: list[dict[str, Any]] = [
+        *(extra or []),
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "PET_LOCAL_ADDR", "value": "$(POD_IP)"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+    env += [{"name": str(name), "value": k8s_str(value)} for name, value in sorted(cfg.k8s.env.items())]
+    return env
+
+
+def training_container(cfg: OrchConfig, name: str, args: list[str], env: list[dict[str, Any]],
+                       command: Optional[list[str]] = None, extra_mounts: Optional[list[dict]] = None,
+                       res: Optional[dict[str, Any]] = None, ports: Optional[list[dict]] = None) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": name, "image": cfg.k8s.image, "imagePullPolicy": cfg.k8s.image_pull_policy,
+        "env": env, "resources": res if res is not None else resources(cfg),
+        "volumeMounts": [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}, *(extra_mounts or [])],
+    }
+    if command is not None:
+        container["command"] = command
+    if args:
+        container["args"] = args
+    if cfg.k8s.checkpoint_secret:
+        container["envFrom"] = [{"secretRef": {"name": cfg.k8s.checkpoint_secret}}]
+    if ports:
+        container["ports"] = ports
+    return container
+
+
+def shm_volume(cfg: OrchConfig) -> dict[str, Any]:
+    """/dev/shm backed by memory: DataLoader workers and NCCL need more than the container runtime's 64 MB."""
+    size = cfg.k8s.shm_size or f"{cfg.cluster.nproc_per_node}Gi"
+    return {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": size}}
+
+
+def pod_spec(cfg: OrchConfig, containers: list[dict[str, Any]], restart_policy: Optional[str],
+             spot: bool = True, extra_volumes: Optional[list[dict]] = None) -> dict[str, Any]:
+    """A pod spec for training containers: the grace period, /dev/shm, and (``spot``) the spot placement."""
+    k = cfg.k8s
+    spec: dict[str, Any] = {
+        "containers": containers,
+        "enableServiceLinks": False,  # no <SERVICE>_PORT variables: Services named orch-* would add ORCH_* ones
+        "terminationGracePeriodSeconds": termination_grace_s(cfg),
+        "volumes": [shm_volume(cfg), *(extra_volumes or [])],
+    }
+    if restart_policy:
+        spec["restartPolicy"] = restart_policy
+    if k.service_account:
+        spec["serviceAccountName"] = k.service_account
+    if spot and k.spot_node_selector:
+        spec["nodeSelector"] = {str(key): k8s_str(v) for key, v in k.spot_node_selector.items()}
+    if spot and k.spot_tolerations:
+        spec["tolerations"] = [_toleration(t) for t in k.spot_tolerations]
+    return spec
+
+
+def _toleration(t: Any) -> dict[str, Any]:
+    if not isinstance(t, dict):
+        raise ConfigError("k8s.spot_tolerations", t, "give each toleration as {key: ..., operator: Equal|Exists, "
+                          "value: ..., effect: NoSchedule}", "holds an item that is not a mapping")
+    return {str(key): v if key == "tolerationSeconds" else k8s_str(v) for key, v in t.items()}
+
+
+def require_gpu_resource(cfg: OrchConfig) -> None:
+    """A cuda preset rendered without a GPU resource name would be scheduled on nodes without GPUs."""
+    gpus = gpus_per_pod(cfg)
+    if gpus and not cfg.k8s.gpu_resource_name:
+        raise ConfigError("k8s.gpu_resource_name", cfg.k8s.gpu_resource_name,
+                          "set k8s.gpu_resource_name=nvidia.com/gpu (or your cluster's GPU resource, e.g. amd.com/gpu), "
+                          "or render a CPU preset (cluster.device=cpu)",
+                          f"is unset, but preset {cfg.preset!r} needs {gpus} GPU(s) per pod (cluster.device=cuda)")
+
+
+def is_pod_local(url: Optional[str]) -> bool:
+    """Whether checkpoints at ``url`` stay on one pod's disk (unset means ``<run dir>/checkpoints``)."""
+    return url is None or url_scheme(url) in POD_LOCAL_SCHEMES
+
+
+def require_shared_checkpoints(cfg: OrchConfig, pods: int, why: str) -> None:
+    """Pods of one job must all reach the checkpoints: a replaced pod resumes from them."""
+    url = cfg.checkpoint.url
+    if pods > 1 and is_pod_local(url):
+        raise ConfigError("checkpoint.url", url,
+                          f"put checkpoints on storage every pod reaches, e.g. checkpoint.url=s3://BUCKET/orch/{cfg.preset} "
+                          f"(credentials from the Secret named by k8s.checkpoint_secret)",
+                          f"is {'unset (the run dir)' if url is None else 'on local disk'}, which the {pods} pods of "
+                          f"this job ({why}) do not share: a pod that replaces a preempted one would not find them")

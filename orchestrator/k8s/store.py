@@ -1,0 +1,66 @@
+"""The standalone rendezvous store: ``orch rendezvous-store``, and the Deployment + Service that run it.
+
+It is the same :class:`~orchestrator.rendezvous.RendezvousStore` the launchers host, in a process of its own,
+so that in a Kubernetes job no training pod hosts rendezvous: losing any pod, the one with rank 0 included,
+leaves the store (and the other pods' membership) intact, as losing a simulated node does under
+``orch launch``. It keeps its state in memory: it belongs on a regular node, never in a spot pool.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any, Callable
+
+from orchestrator.config.schema import OrchConfig
+from orchestrator.k8s.pods import labels, metadata, selector, store_port, store_service
+
+COMPONENT = "rendezvous-store"
+
+
+def serve_store(port: int, say: Callable[[str], None] = print) -> int:
+    """Host a store on ``port`` (0: a free one; the server listens on every interface) until SIGTERM or
+    SIGINT; returns 0, the exit status of a store that was asked to stop."""
+    from orchestrator.rendezvous import RendezvousStore
+
+    store = RendezvousStore("127.0.0.1", port)
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    say(f"rendezvous store listening on port {store.port}")
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        store.close()
+    say("rendezvous store stopped")
+    return 0
+
+
+def store_objects(cfg: OrchConfig) -> list[dict[str, Any]]:
+    """A Service and a one-replica Deployment running ``orch rendezvous-store`` on the job's store port."""
+    name, port = store_service(cfg), store_port(cfg)
+    service = {
+        "apiVersion": "v1", "kind": "Service", "metadata": metadata(cfg, name, COMPONENT),
+        "spec": {"selector": selector(cfg, COMPONENT),
+                 "ports": [{"name": "c10d", "port": port, "targetPort": port, "protocol": "TCP"}]},
+    }
+    container = {
+        "name": "store", "image": cfg.k8s.image, "imagePullPolicy": cfg.k8s.image_pull_policy,
+        "command": ["orch"], "args": ["rendezvous-store", "--port", str(port)],
+        "ports": [{"name": "c10d", "containerPort": port, "protocol": "TCP"}],
+        "readinessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 2},
+        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+    }
+    deployment = {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata(cfg, name, COMPONENT),
+        "spec": {
+            "replicas": 1,
+            "strategy": {"type": "Recreate"},  # never two stores: agents must all meet in the same one
+            "selector": {"matchLabels": selector(cfg, COMPONENT)},
+            "template": {"metadata": {"labels": labels(cfg, COMPONENT)},
+                         "spec": {"containers": [container], "enableServiceLinks": False}},
+        },
+    }
+    return [service, deployment]
