@@ -11,10 +11,10 @@ Two measurements:
    ``repeats`` runs. ``first_step`` is the time from starting the command to the end of step 1 (orch:
    composing the config, the store, the agents; both: torchrun, imports, rendezvous). Ratios are
    orch / plain: throughput_ratio 1.0 = no overhead; first_step_ratio > 1 = orch starts slower.
-2. **The per-step timing's own cost.** ``timing_overhead`` is a conservative bound: the timer's phase calls
-   (timed in a tight loop) plus, per DDP bucket, the timer's whole comm hook path (torch's Python
-   ``allreduce_hook``, the timing, the future's callbacks) on a 1-element bucket at world size 1 (which
-   DDP's built-in C++ all-reduce would partly do too), over the median step time of the trainer's model.
+2. **The per-step timing's own cost.** ``timing_overhead`` = (the timer's phase calls, timed in a tight
+   loop, + per DDP bucket what the timer's comm hook adds: its whole path (torch's Python
+   ``allreduce_hook``, the timing, the future callbacks) minus the same all-reduce issued bare, on a
+   1-element bucket at world size 1, in alternating batches) / the median step time of the trainer's model.
    ``timing_overhead_ab`` is the end-to-end check: in this process (world size 1, gloo) the same model
    trains with and without the StepTimer, steps alternating; the median paired difference over the median
    untimed step. It is as noisy as the machine (its IQR is reported with it).
@@ -124,17 +124,18 @@ def measure_timing_cost(steps: int = 300, warmup: int = 20) -> dict[str, Any]:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         pairs, buckets = _paired_steps(cfg, steps, warmup)
-        hook_s = hook_path_cost()
+        hook_s, bare_s = hook_path_cost()
     finally:
         if own_group:
             dist.destroy_process_group()
     untimed = statistics.median(u for u, _ in pairs)
     diffs = sorted(t - u for u, t in pairs)
     calls_s = timer_calls_cost()
-    bound_s = calls_s + buckets * hook_s
-    return {"timing_overhead": bound_s / untimed,
-            "timing_cost_us_per_step": bound_s * 1e6, "timer_calls_us_per_step": calls_s * 1e6,
-            "comm_hook_us_per_bucket": hook_s * 1e6, "buckets": buckets,
+    added_s = calls_s + buckets * max(0.0, hook_s - bare_s)
+    return {"timing_overhead": added_s / untimed,
+            "timing_cost_us_per_step": added_s * 1e6, "timer_calls_us_per_step": calls_s * 1e6,
+            "comm_hook_added_us_per_bucket": (hook_s - bare_s) * 1e6, "comm_hook_path_us": hook_s * 1e6,
+            "bare_allreduce_us": bare_s * 1e6, "buckets": buckets,
             "untimed_step_s": untimed, "timed_step_s": statistics.median(t for _, t in pairs),
             "timing_overhead_ab": statistics.median(diffs) / untimed,
             "timing_overhead_ab_iqr": [diffs[len(diffs) // 4] / untimed, diffs[3 * len(diffs) // 4] / untimed]}
@@ -187,11 +188,17 @@ def _paired_steps(cfg, steps: int, warmup: int) -> tuple[list[tuple[float, float
     return pairs, buckets
 
 
-def hook_path_cost(n: int = 3000) -> float:
-    """Seconds per bucket of the timer's whole comm hook path (torch's Python allreduce_hook, the timing, the
-    future's callbacks) on a 1-element bucket at world size 1: an upper bound of what it adds over DDP's
-    built-in C++ all-reduce, which has to all-reduce the bucket too."""
+def hook_path_cost(n: int = 3000, batches: int = 10) -> tuple[float, float]:
+    """Seconds per bucket of (the timer's comm hook path, the same all-reduce without it), on a 1-element bucket
+    at world size 1, in alternating batches; the difference is what the hook adds.
+
+    The hook path is torch's Python ``allreduce_hook`` (divide, all-reduce, a ``then`` callback) plus the
+    timing (a clock read, a second callback). Both paths hand the all-reduce to gloo's thread and wait for
+    it, so scheduling delays on a busy machine hit both; the bare path issues the all-reduce from Python,
+    which DDP's built-in C++ path does not (a few us, not subtracted).
+    """
     import torch
+    import torch.distributed as dist
 
     from orchestrator.runtime.timing import StepTimer
 
@@ -204,14 +211,23 @@ def hook_path_cost(n: int = 3000) -> float:
 
     timer, bucket = StepTimer(), _Bucket()
     timer.register(_NoDDP())
-    runs = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(n // 5):
-            timer.comm_hook(None, bucket).wait()
-        runs.append((time.perf_counter() - start) / (n // 5))
+
+    def hooked() -> None:
+        timer.comm_hook(None, bucket).wait()
+
+    def bare() -> None:
+        bucket.tensor.div_(1)
+        dist.all_reduce(bucket.tensor, async_op=True).get_future().wait()
+
+    per_call: dict[str, list[float]] = {"hooked": [], "bare": []}
+    for k in range(batches):
+        for name, fn in ((("hooked", hooked), ("bare", bare)) if k % 2 == 0 else (("bare", bare), ("hooked", hooked))):
+            start = time.perf_counter()
+            for _ in range(n // batches):
+                fn()
+            per_call[name].append((time.perf_counter() - start) / (n // batches))
         timer.window(1)
-    return statistics.median(runs)
+    return statistics.median(per_call["hooked"]), statistics.median(per_call["bare"])
 
 
 class _NoDDP:
@@ -257,7 +273,8 @@ def main_overhead_bench(out: Optional[str], repeats: int = 4, steps: int = 150, 
     print(f"  timing_overhead                  {result['timing_overhead']:.3%}   target < 1%   "
           f"({result['timing_cost_us_per_step']:.1f} us per {1e3 * result['untimed_step_s']:.1f} ms step: timer calls "
           f"{result['timer_calls_us_per_step']:.1f} us + {result['buckets']} bucket(s) x "
-          f"{result['comm_hook_us_per_bucket']:.1f} us comm hook)")
+          f"{result['comm_hook_added_us_per_bucket']:.1f} us comm hook: {result['comm_hook_path_us']:.1f} us vs "
+          f"{result['bare_allreduce_us']:.1f} us for the bare all-reduce)")
     print(f"  timing_overhead_ab               {result['timing_overhead_ab']:+.2%}   (end to end, paired, "
           f"IQR {lo:+.2%} .. {hi:+.2%}: machine noise)")
     if out:
