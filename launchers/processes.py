@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Optional, TextIO
 
@@ -45,12 +46,34 @@ def terminate_tree(pid: int, grace_s: float = 10.0, sig: int = signal.SIGTERM, t
         kill_tree(pid, sig)
     elif procs:
         procs[0].send_signal(sig)
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for p in alive:
+    for p in _wait_gone(procs, grace_s):
         try:
             p.kill()
         except psutil.NoSuchProcess:
             pass
+
+
+def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait up to ``timeout`` for ``procs`` to exit; returns those still running."""
+    deadline = time.monotonic() + timeout
+    alive = list(procs)
+    while alive:
+        alive = [p for p in alive if _running(p)]
+        if not alive or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    return alive
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        if proc.ppid() == os.getpid():
+            # Our own child: look without reaping it (psutil.wait_procs would), so that its Popen still
+            # reads the true exit code; a reaped child reads as exit 0 and a killed node as "finished".
+            return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, ChildProcessError):
+        return False
 
 
 class NodeProcess:
