@@ -43,6 +43,7 @@ class LocalLauncher:
         self.events = EventLog(run_dir)
         self.agents: dict[int, NodeProcess] = {}
         self.started_at: dict[int, float] = {}
+        self.standby: dict[int, tuple[NodeProcess, float]] = {}  # node -> (booted replacement, start time)
         self._signal: Optional[int] = None
         self._plan: Optional[LaunchPlan] = None
         # cluster.testcluster: each node's agent runs on its test host (a network namespace); read before planning.
@@ -78,7 +79,7 @@ class LocalLauncher:
             drill.stop()
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            for agent in self.agents.values():
+            for agent in [*self.agents.values(), *(p for p, _ in self.standby.values())]:
                 if agent.poll() is None:
                     terminate_tree(agent.pid)
             if self._watch:
@@ -93,12 +94,30 @@ class LocalLauncher:
         self._signal = signum
 
     def _start_agent(self, node: int, replacement: bool = False) -> None:
-        spec = self._plan.nodes[node]
-        self.agents[node] = NodeProcess(node, spec.launch_argv(), spec.env, self.run_dir / "logs" / f"node{node}.log",
-                                        echo=self.echo)
-        self.started_at[node] = time.time()
-        self.events.emit("node_started", node=node, pid=self.agents[node].pid, replacement=replacement)
+        standby = self.standby.pop(node, None)
+        if standby is not None:  # started when the notice came: already booted, maybe already waiting
+            self.agents[node], self.started_at[node] = standby
+            self.events.emit("node_started", node=node, pid=standby[0].pid, replacement=True, standby=True)
+        else:
+            self.agents[node], self.started_at[node] = self._spawn(node), time.time()
+            self.events.emit("node_started", node=node, pid=self.agents[node].pid, replacement=replacement)
         (self.run_dir / NODES_FILE).write_text(json.dumps({str(n): a.pid for n, a in self.agents.items()}) + "\n")
+
+    def _spawn(self, node: int) -> NodeProcess:
+        spec = self._plan.nodes[node]
+        return NodeProcess(node, spec.launch_argv(), spec.env, self.run_dir / "logs" / f"node{node}.log", echo=self.echo)
+
+    def _start_standbys(self) -> None:
+        """On a preemption notice, boot the replacement at once: it starts while the noticed node saves and
+        leaves, and joins the next rendezvous round as soon as there is room (spot capacity requested early)."""
+        if not self.cfg.preemption.replace_nodes:
+            return
+        for e in self._launch_events():
+            node = e.get("node")
+            if e["event"] == "preemption_notice" and node in self.agents and node not in self.standby \
+                    and e["t"] >= self.started_at[node]:
+                self.standby[node] = (self._spawn(node), time.time())
+                self.events.emit("node_standby_started", node=node, pid=self.standby[node][0].pid)
 
     def _monitor(self) -> dict[int, int]:
         """Wait until every node is done; classify each agent exit, replacing preempted nodes."""
@@ -111,9 +130,11 @@ class LocalLauncher:
                 stopping = self._stop_on_signal(exits)
             now = time.monotonic()
             if finished_at is None and now >= next_check:
-                next_check = now + 1.0
+                next_check = now + 0.5
                 if self._training_finished():
                     finished_at = now
+                elif not stopping:
+                    self._start_standbys()
             if finished_at is not None and exits and now - finished_at > EXIT_BARRIER_GRACE_S and not stopping:
                 # Training is done but an agent waits in torchrun's exit barrier (300 s, not configurable)
                 # for a peer that left after the last step: nothing is left to wait for.
