@@ -13,7 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-JOB = ["conf=cpu_elastic", "cluster.nnodes=2", "trainer.log_every=5", "checkpoint.every_n_steps=100"]
+# The local launcher: it replaces preempted simulated nodes (spot capacity coming back).
+JOB = ["conf=cpu_elastic", "launcher=local", "cluster.nnodes=2", "trainer.log_every=5", "checkpoint.every_n_steps=100"]
 
 
 def run_job(run_dir: Path, max_steps: int, overrides: list[str]) -> dict:
