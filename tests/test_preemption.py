@@ -14,7 +14,7 @@ from orchestrator.preemption.sources import (AWSSpotSource, AzureScheduledEvents
                                              GCPPreemptedSource)
 from orchproc import read_jsonl, run_orch, start_orch, stop_tree, summary, wait_for
 
-JOB = ["conf=cpu_elastic", "cluster.nnodes=2", "trainer.max_steps=160", "trainer.log_every=1",
+JOB = ["conf=cpu_elastic", "launcher=local", "cluster.nnodes=2", "trainer.max_steps=160", "trainer.log_every=1",
        "checkpoint.every_n_steps=50"]
 
 
@@ -114,7 +114,7 @@ def test_cloud_metadata_notice_triggers_the_same_path(tmp_path, kind):
 @pytest.mark.timeout(400)
 def test_three_scheduled_preemptions_complete(tmp_path):
     run_dir = tmp_path / "run"
-    result = run_orch("launch", "conf=cpu_elastic", "cluster.nnodes=2", "trainer.max_steps=600", "trainer.log_every=1",
+    result = run_orch("launch", "conf=cpu_elastic", "launcher=local", "cluster.nnodes=2", "trainer.max_steps=600", "trainer.log_every=1",
                       "preemption.schedule.every_s=8", "preemption.schedule.max_count=3",
                       "preemption.schedule.grace_s=20", f"run.dir={run_dir}", timeout=380)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -127,7 +127,7 @@ def test_three_scheduled_preemptions_complete(tmp_path):
 def test_hard_kill_without_notice_loses_at_most_every_n_steps(tmp_path):
     every = 5
     run_dir = tmp_path / "run"
-    args = ["conf=cpu_elastic", "cluster.nnodes=1:2", "trainer.max_steps=200", "trainer.log_every=1",
+    args = ["conf=cpu_elastic", "launcher=local", "cluster.nnodes=1:2", "trainer.max_steps=200", "trainer.log_every=1",
             f"checkpoint.every_n_steps={every}"]
     run_dir = preempt_midrun(tmp_path, args, lambda rd: run_orch("chaos", "kill-node", str(rd), "--node", "1"))
     s = summary(run_dir)

@@ -14,7 +14,7 @@ from orchproc import read_jsonl, run_orch, start_orch, stop_tree, summary, wait_
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-EXACT = ["conf=cpu_elastic", "cluster.nnodes=2", "trainer.max_steps=150", "trainer.log_every=10"]
+EXACT = ["conf=cpu_elastic", "launcher=local", "cluster.nnodes=2", "trainer.max_steps=150", "trainer.log_every=10"]
 
 
 def saved_steps(run_dir):
@@ -63,7 +63,7 @@ def test_killed_launch_resumes_bit_identical_from_s3(tmp_path, s3_bucket):
 
 
 def test_node_kill_resumes_at_smaller_world_with_every_sample_once(tmp_path):
-    common = ["conf=cpu_elastic", "trainer.max_steps=100", "trainer.log_every=5", "trainer.record_sample_ids=true",
+    common = ["conf=cpu_elastic", "launcher=local", "trainer.max_steps=100", "trainer.log_every=5", "trainer.record_sample_ids=true",
               "data.dataset.num_samples=480"]  # 20 steps of 24 samples per epoch: 5 epochs
     reference = tmp_path / "reference"
     done = run_orch("launch", *common, "cluster.nnodes=2", f"run.dir={reference}")
@@ -109,7 +109,7 @@ def test_accumulation_equivalence_across_world_sizes(tmp_path):
     models = []
     for nodes in (1, 2):
         run_dir = tmp_path / f"w{nodes}"
-        result = run_orch("launch", "conf=cpu_gloo", "trainer.max_steps=10", f"cluster.nnodes={nodes}",
+        result = run_orch("launch", "conf=cpu_gloo", "launcher=local", "trainer.max_steps=10", f"cluster.nnodes={nodes}",
                           f"run.dir={run_dir}")
         assert result.returncode == 0, result.stderr[-3000:]
         models.append(CheckpointManager(str(run_dir / "checkpoints")).load().state["model"])
@@ -124,7 +124,7 @@ def test_accumulation_equivalence_across_world_sizes(tmp_path):
 ])
 def test_bad_checkpoint_url_exits_2_before_training(tmp_path, s3_env, url, words):
     run_dir = tmp_path / "run"
-    result = run_orch("launch", "conf=cpu_gloo", f"checkpoint.url={url}", f"run.dir={run_dir}", timeout=120)
+    result = run_orch("launch", "conf=cpu_gloo", "launcher=local", f"checkpoint.url={url}", f"run.dir={run_dir}", timeout=120)
     assert result.returncode == 2, result.stderr
     assert "checkpoint.url" in result.stderr and words in result.stderr and "Fix:" in result.stderr
     assert not run_dir.exists()
@@ -132,9 +132,9 @@ def test_bad_checkpoint_url_exits_2_before_training(tmp_path, s3_env, url, words
 
 def test_model_that_does_not_fit_the_checkpoint_is_refused_with_its_keys(tmp_path):
     run_dir = tmp_path / "run"
-    first = run_orch("launch", "conf=cpu_gloo", "trainer.max_steps=4", f"run.dir={run_dir}")
+    first = run_orch("launch", "conf=cpu_gloo", "launcher=local", "trainer.max_steps=4", f"run.dir={run_dir}")
     assert first.returncode == 0, first.stderr[-2000:]
-    again = run_orch("launch", "conf=cpu_gloo", "trainer.max_steps=8", "model.hidden_size=32",
+    again = run_orch("launch", "conf=cpu_gloo", "launcher=local", "trainer.max_steps=8", "model.hidden_size=32",
                      "cluster.max_restarts=0", f"run.dir={run_dir}")
     assert again.returncode == 1
     assert "does not fit the model" in again.stderr and "shape changed (" in again.stderr and "embedding_norm.weight (64,)->(32,)" in again.stderr
