@@ -141,6 +141,13 @@ def cmd_bench_recovery(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_goodput(args: argparse.Namespace) -> int:
+    from orchestrator.bench.goodput import main_goodput_bench
+
+    main_goodput_bench(out=args.out, every_s=args.every, max_steps=args.max_steps)
+    return 0
+
+
 def cmd_bench_scaling(args: argparse.Namespace) -> int:
     from orchestrator.bench.scaling import main_scaling_bench
 
@@ -263,6 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timing-steps", type=int, default=300,
                    help="alternating steps with and without per-step timing (default 300)")
     p.set_defaults(func=cmd_bench_overhead)
+    p = bench.add_parser("goodput", help="goodput with a preempted node every T seconds vs. no preemption")
+    p.add_argument("--out", help="write the result as JSON to this file")
+    p.add_argument("--every", type=float, default=60.0, help="seconds between preemptions (default 60)")
+    p.add_argument("--max-steps", type=int, default=6000, help="training steps of each run (default 6000)")
+    p.set_defaults(func=cmd_bench_goodput)
     p = bench.add_parser("recovery", help="time to recover from a lost node: bare torchrun vs orch, same job and kill")
     p.add_argument("--out", help="write {orch_mttr_s, torchrun_mttr_s, ratio} as JSON to this file")
     p.add_argument("--kill-at-step", type=int, default=10, help="kill node 1 once this step completed (default 10)")

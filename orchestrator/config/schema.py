@@ -295,7 +295,7 @@ class RunConfig:
     """Where a run writes everything it did."""
 
     dir: Optional[str] = None
-    """The run dir; ``null`` means ``runs/<preset>/<timestamp>/``."""
+    """The run dir; ``null`` means ``runs/<preset>/<timestamp>-<4 hex>/`` under the current directory."""
     id: Optional[str] = None
     """The run id, which is also torchrun's rendezvous id; ``null``: ``<preset>-<timestamp>-<hex>``. Every pod of
     one Kubernetes job sets the same id, so that their nodes meet in one rendezvous."""
