@@ -120,6 +120,7 @@ class RayLauncher:
     def run(self) -> str:
         import ray
 
+        from orchestrator.chaos import PreemptionDrill
         from orchestrator.controller.controller import Controller
         from orchestrator.controller.log_echo import LogEcho
         from orchestrator.controller.ray_pool import RayNodePool
@@ -134,6 +135,7 @@ class RayLauncher:
         events = EventLog(self.run_dir)
         echo = LogEcho(self.run_dir / "logs", self.echo)
         pool = RayNodePool(c.cpus_per_node, c.gpus_per_agent, spread, c.max_nodes)
+        drill = PreemptionDrill(str(self.run_dir), self.cfg.preemption.schedule)  # preemption.schedule, if set
         try:
             plan = build_plan(cfg, str(self.run_dir), self.run_id, store_port=store.port)
             (self.run_dir / PLAN_FILE).write_text(plan.to_json() + "\n")
@@ -144,12 +146,14 @@ class RayLauncher:
             previous = {s: signal.signal(s, lambda signum, _: controller.request_stop(signum))
                         for s in (signal.SIGINT, signal.SIGTERM)}
             echo.start()
+            drill.start()
             try:
                 return controller.run()
             finally:
                 for s, handler in previous.items():
                     signal.signal(s, handler)
         finally:
+            drill.stop()
             pool.close()
             echo.stop()
             store.close()

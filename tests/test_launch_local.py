@@ -13,11 +13,12 @@ from orchproc import REPO, read_jsonl, run_orch, start_orch, stop_tree, summary,
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 FAST = ["trainer.max_steps=12", "trainer.log_every=2"]
+LOCAL = "launcher=local"  # what this file tests; the presets default to the Ray launcher
 
 
 def test_cpu_gloo_trains_two_nodes_and_writes_the_run_dir(tmp_path):
     run_dir = tmp_path / "run"
-    result = run_orch("launch", "conf=cpu_gloo", f"run.dir={run_dir}")
+    result = run_orch("launch", "conf=cpu_gloo", LOCAL, f"run.dir={run_dir}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     s = summary(run_dir)
     assert s["status"] == "succeeded" and s["steps_completed"] == 40
@@ -42,7 +43,7 @@ def test_cpu_gloo_trains_two_nodes_and_writes_the_run_dir(tmp_path):
 @pytest.mark.parametrize("find_unused", [False, True])
 def test_ddp_flags_reach_ddp_unused_branch(tmp_path, find_unused):
     run_dir = tmp_path / "run"
-    result = run_orch("launch", "conf=cpu_gloo", *FAST, "cluster.nnodes=1", "cluster.nproc_per_node=2",
+    result = run_orch("launch", "conf=cpu_gloo", LOCAL, *FAST, "cluster.nnodes=1", "cluster.nproc_per_node=2",
                       "cluster.max_restarts=0", "model._target_=testmodels.UnusedBranchMLM",
                       f"ddp.find_unused_parameters={str(find_unused).lower()}", f"run.dir={run_dir}")
     if find_unused:
@@ -58,7 +59,7 @@ def test_ddp_flags_reach_ddp_unused_branch(tmp_path, find_unused):
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_amp_runs_on_cpu(tmp_path, dtype):
     run_dir = tmp_path / "run"
-    result = run_orch("launch", "conf=cpu_gloo", *FAST, "amp.enabled=true", f"amp.dtype={dtype}", f"run.dir={run_dir}")
+    result = run_orch("launch", "conf=cpu_gloo", LOCAL, *FAST, "amp.enabled=true", f"amp.dtype={dtype}", f"run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert metrics[-1]["step"] == 12
@@ -69,7 +70,7 @@ def test_amp_runs_on_cpu(tmp_path, dtype):
 def test_user_script_entrypoint_runs_under_the_plans_torchrun(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    result = run_orch("launch", "conf=cpu_gloo", "entrypoint.script=tests/scripts/user_train.py",
+    result = run_orch("launch", "conf=cpu_gloo", LOCAL, "entrypoint.script=tests/scripts/user_train.py",
                       f"entrypoint.args=[{out}]", f"run.dir={tmp_path / 'run'}")
     assert result.returncode == 0, result.stderr[-3000:]
     seen = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -80,7 +81,7 @@ def test_user_script_entrypoint_runs_under_the_plans_torchrun(tmp_path):
 
 def test_user_code_failure_names_the_root_cause_rank(tmp_path):
     run_dir = tmp_path / "run"
-    result = run_orch("launch", "conf=cpu_gloo", *FAST, "cluster.max_restarts=0", "model._target_=testmodels.FailingMLM",
+    result = run_orch("launch", "conf=cpu_gloo", LOCAL, *FAST, "cluster.max_restarts=0", "model._target_=testmodels.FailingMLM",
                       "+model.fail_rank=1", f"run.dir={run_dir}")
     assert result.returncode == 1
     assert "root cause rank 1" in result.stderr and "ValueError: deliberate bug in user code" in result.stderr
@@ -91,7 +92,7 @@ def test_user_code_failure_names_the_root_cause_rank(tmp_path):
 def test_killing_a_simulated_node_leaves_store_and_survivor_alive(tmp_path):
     """nnodes=1:2: kill node 1's whole process tree mid-run; node 0 re-rendezvouses at world size 1, finishes."""
     run_dir = tmp_path / "run"
-    proc = start_orch("launch", "conf=cpu_elastic", "cluster.nnodes=1:2", "trainer.max_steps=400",
+    proc = start_orch("launch", "conf=cpu_elastic", LOCAL, "cluster.nnodes=1:2", "trainer.max_steps=400",
                       "trainer.log_every=5", f"run.dir={run_dir}", log=tmp_path / "orch.log")
     try:
         wait_for(lambda: any(m["step"] >= 10 for m in read_jsonl(run_dir / "metrics.jsonl")), 90, "step 10")

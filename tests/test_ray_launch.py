@@ -80,44 +80,65 @@ def ray_cluster():
         cluster.shutdown()
 
 
+@pytest.fixture
+def cluster(ray_cluster):
+    """The shared cluster, topped up to three worker nodes again after the test, whatever happened in it."""
+    yield ray_cluster
+    missing = WORKER_NODES - (len(ray_cluster.list_all_nodes()) - 1)
+    for _ in range(missing):
+        ray_cluster.add_node(num_cpus=1)
+    if missing > 0:
+        ray_cluster.wait_for_nodes()
+
+
 def cluster_node(cluster, node_id: str):
     return next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
 
 
+def timeline(run_dir: Path) -> str:
+    """The controller's story of a run, for assertion messages."""
+    keep = ("node_joined", "node_lost", "node_preempted", "node_failed", "node_finished", "rendezvous_complete",
+            "recovered", "controller_state", "training_finished", "run_finished")
+    events = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] in keep]
+    t0 = events[0]["t"] if events else 0
+    return "\n".join(f"{e['t'] - t0:7.2f} {e['event']} " + " ".join(f"{k}={e[k]}" for k in ("node", "world_size", "state", "mttr_s") if k in e)
+                     for e in events)
+
+
 @pytest.mark.timeout(420)
-def test_lost_node_shrinks_the_job_and_a_new_node_grows_it_back(ray_cluster, tmp_path):
+def test_lost_node_shrinks_the_job_and_a_new_node_grows_it_back(cluster, tmp_path):
     """2..3 nodes: remove the Ray node under node 1 mid-run (the survivors go on at 2), then add a Ray node
     (the controller starts an agent there and the job is back at 3), and the run finishes."""
     run_dir = tmp_path / "run"
-    proc = start_orch("launch", "conf=cpu_elastic", "launcher=ray", f"cluster.address={ray_cluster.address}",
+    proc = start_orch("launch", "conf=cpu_elastic", "launcher=ray", f"cluster.address={cluster.address}",
                       "cluster.nnodes=2:3", "trainer.max_steps=500", "trainer.log_every=5", "failure.wait_for_nodes_s=30",
                       f"run.dir={run_dir}", log=tmp_path / "orch.log")
     try:
         wait_for(lambda: any(m["step"] >= 10 for m in read_jsonl(run_dir / "metrics.jsonl")), 180, "step 10")
         joined = {e["node"]: e["ray_node"] for e in events_of(run_dir, "node_joined")}
         assert len(set(joined.values())) == 3, "spread: one agent per Ray node"
-        ray_cluster.remove_node(cluster_node(ray_cluster, joined[1]))
+        cluster.remove_node(cluster_node(cluster, joined[1]))
         wait_for(lambda: events_of(run_dir, "recovered"), 120, "recovery after the lost node")
-        added = ray_cluster.add_node(num_cpus=1)
+        added = cluster.add_node(num_cpus=1)
         wait_for(lambda: any(e["ray_node"] == added.node_id for e in events_of(run_dir, "node_joined")), 60,
                  "an agent on the new node")
-        assert proc.wait(timeout=300) == 0, (tmp_path / "orch.log").read_text()[-3000:]
+        assert proc.wait(timeout=300) == 0, timeline(run_dir) + (tmp_path / "orch.log").read_text()[-3000:]
     finally:
         stop_run(proc, run_dir)
-    s = summary(run_dir)
-    assert s["status"] == "succeeded" and s["steps_completed"] == 500
-    assert s["world_size_history"][:3] == [3, 2, 3], s["world_size_history"]
+    s, story = summary(run_dir), timeline(run_dir)
+    assert s["status"] == "succeeded" and s["steps_completed"] == 500, story
+    assert s["world_size_history"][:3] == [3, 2, 3], story
     lost = events_of(run_dir, "node_lost")
-    assert [e["node"] for e in lost] == [1] and "Ray node left the cluster" in lost[0]["reason"]
+    assert [e["node"] for e in lost] == [1] and "Ray node left the cluster" in lost[0]["reason"], story
     assert len(s["recoveries"]) == 1 and 0 < s["recoveries"][0]["mttr_s"] < 60
     assert s["recoveries"][0]["world_size"] == 2
     assert not events_of(run_dir, "node_failed"), "a lost node is not a failure"
 
 
 @pytest.mark.timeout(300)
-def test_user_code_failure_exhausts_max_failures_and_names_the_rank(ray_cluster, tmp_path):
+def test_user_code_failure_exhausts_max_failures_and_names_the_rank(cluster, tmp_path):
     run_dir = tmp_path / "run"
-    result = run_orch("launch", "conf=cpu_gloo", "launcher=ray", f"cluster.address={ray_cluster.address}",
+    result = run_orch("launch", "conf=cpu_gloo", "launcher=ray", f"cluster.address={cluster.address}",
                       "trainer.max_steps=12", "cluster.max_restarts=0", "failure.max_failures=1",
                       "model._target_=testmodels.FailingMLM", "+model.fail_rank=1", f"run.dir={run_dir}", timeout=280)
     try:
@@ -138,9 +159,9 @@ def test_user_code_failure_exhausts_max_failures_and_names_the_rank(ray_cluster,
 
 
 @pytest.mark.timeout(180)
-def test_below_min_nodes_for_longer_than_wait_for_nodes_fails_saying_so(ray_cluster, tmp_path):
+def test_below_min_nodes_for_longer_than_wait_for_nodes_fails_saying_so(cluster, tmp_path):
     run_dir = tmp_path / "run"
-    result = run_orch("launch", "conf=cpu_gloo", "launcher=ray", f"cluster.address={ray_cluster.address}",
+    result = run_orch("launch", "conf=cpu_gloo", "launcher=ray", f"cluster.address={cluster.address}",
                       "cluster.nnodes=4", "trainer.global_batch_size=32", "failure.wait_for_nodes_s=5",
                       f"run.dir={run_dir}", timeout=170)
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]

@@ -32,6 +32,7 @@ pytestmark = pytest.mark.timeout(60)
     (AgentExit(0, exit_code=1), True, False, STOPPED),
     (AgentExit(0, exit_code=1), False, True, PREEMPTED),
     (AgentExit(0, actor_died=True, detail="node died"), False, False, LOST),
+    (AgentExit(0, actor_died=True, detail="node died"), False, True, LOST),
     (AgentExit(0, exit_code=-9), False, False, LOST),
     (AgentExit(0, exit_code=1, death_signal="Signals.SIGTERM"), False, False, LOST),
     (AgentExit(0, exit_code=1), False, False, FAILED),

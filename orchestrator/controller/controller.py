@@ -66,7 +66,14 @@ class _EventTail:
         self._offset += len(data)
         lines = (self._partial + data).split(b"\n")
         self._partial = lines.pop()
-        return [json.loads(line) for line in lines if line.strip()]
+        return [event for event in map(_parse, lines) if event is not None]
+
+
+def _parse(line: bytes) -> Optional[dict[str, Any]]:
+    try:
+        return json.loads(line) if line.strip() else None
+    except json.JSONDecodeError:
+        return None  # a line torn by a crashed writer: read_jsonl skips it too
 
 
 class Controller:
@@ -244,7 +251,7 @@ class Controller:
         if agent is None:
             return None
         self.exit_codes[exit.node] = exit.exit_code
-        verdict = classify(exit, agent.stopping, self._noticed(exit.node, agent.requested_t))
+        verdict = classify(exit, agent.stopping, self._noticed(exit.node, since=agent.requested_t))
         self.events.emit(EXIT_EVENTS[verdict.kind], node=exit.node, exit_code=exit.exit_code, reason=verdict.reason,
                          attempt=self.attempt)
         self._write_nodes()
@@ -285,7 +292,10 @@ class Controller:
         self.loss_t = t if self.loss_t is None else min(self.loss_t, t)
 
     def _noticed(self, node: int, since: float) -> bool:
-        return any(e.get("node") == node and e["t"] >= since for e in self._notices)
+        """A preemption notice for ``node`` since its agent started and within the grace period: torchrun's own
+        SIGTERM to workers it restarts reads as a notice too, and must not excuse a failure much later."""
+        recent = time.time() - self.cfg.preemption.grace_period_s - STOP_GRACE_S
+        return any(e.get("node") == node and e["t"] >= max(since, recent) for e in self._notices)
 
     def _write_nodes(self) -> None:
         pids = {str(n): a.pid for n, a in sorted(self.agents.items()) if a.pid is not None}

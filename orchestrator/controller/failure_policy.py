@@ -41,10 +41,10 @@ def classify(exit: AgentExit, stopping: bool, noticed: bool) -> ExitVerdict:
         return ExitVerdict(FINISHED, f"{where} finished")
     if stopping:
         return ExitVerdict(STOPPED, f"{where} stopped by the controller")
+    if exit.actor_died:  # even after a notice: the machine is gone, whatever its workers were doing
+        return ExitVerdict(LOST, f"{where} is gone: its Ray node left the cluster or its actor died ({exit.detail})")
     if noticed:
         return ExitVerdict(PREEMPTED, f"{where} left after a preemption notice")
-    if exit.actor_died:
-        return ExitVerdict(LOST, f"{where} is gone: its Ray node left the cluster or its actor died ({exit.detail})")
     if exit.exit_code is not None and exit.exit_code < 0:
         return ExitVerdict(LOST, f"{where} killed by {signal.Signals(-exit.exit_code).name}")
     if exit.death_signal:
