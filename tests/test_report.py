@@ -100,7 +100,7 @@ def _assert_png_with_content(path: Path) -> None:
 def test_report_of_a_real_run_with_a_lost_node(tmp_path):
     """nnodes=1:2, node 1 killed at step 10: report.md, report.json and real plots, recovery and markers in them."""
     run_dir = tmp_path / "run"
-    proc = start_orch("launch", "conf=cpu_elastic", "cluster.nnodes=1:2", "trainer.max_steps=40", "trainer.log_every=2",
+    proc = start_orch("launch", "conf=cpu_elastic", "launcher=local", "cluster.nnodes=1:2", "trainer.max_steps=40", "trainer.log_every=2",
                       f"run.dir={run_dir}", log=tmp_path / "orch.log")
     try:
         wait_for(lambda: any(m["step"] >= 10 for m in read_jsonl(run_dir / "metrics.jsonl")), 120, "step 10")

@@ -80,7 +80,8 @@ def run_orch(steps: int, log_every: int, workdir: Path) -> dict[str, Any]:
 
 
 def _orch_overrides(steps: int, log_every: int) -> list[str]:
-    return [f"trainer.max_steps={steps}", f"trainer.log_every={log_every}", "checkpoint.every_n_steps=0"]
+    return ["launcher=local", f"trainer.max_steps={steps}", f"trainer.log_every={log_every}",
+            "checkpoint.every_n_steps=0"]
 
 
 def _run(argv: list[str], log: Path, env: dict[str, str]) -> None:

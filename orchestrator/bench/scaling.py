@@ -23,7 +23,8 @@ from orchestrator.report import efficiency as eff
 from orchestrator.report.runlog import METRICS_FILE, read_jsonl
 
 # Short runs without periodic checkpoints; the user's overrides come after these, so they win.
-BENCH_OVERRIDES = ("trainer.max_steps=60", "trainer.log_every=5", "checkpoint.every_n_steps=0")
+# The local launcher: simulated nodes on this machine, no Ray start-up in every short run (overridable).
+BENCH_OVERRIDES = ("launcher=local", "trainer.max_steps=60", "trainer.log_every=5", "checkpoint.every_n_steps=0")
 WARMUP_STEPS = 5
 
 
