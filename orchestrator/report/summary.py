@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from orchestrator.report.goodput import compute_goodput
 from orchestrator.report.efficiency import run_efficiency
 from orchestrator.report.runlog import EVENTS_FILE, METRICS_FILE, read_jsonl
 
@@ -22,8 +23,13 @@ def latest_launch(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def root_cause(events: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """The earliest failure: a worker's exception beats an agent's exit code; duplicates are grouped."""
+    """The earliest failure: a lost node before any worker error (the survivors' errors are its echo), else
+    the first worker exception (duplicates grouped), else the first agent that failed."""
     failures = [e for e in events if e["event"] == "worker_failed"]
+    lost = [e for e in events if e["event"] == "node_lost"]
+    if lost and (not failures or min(e["t"] for e in lost) < min(e["t"] for e in failures)):
+        first = min(lost, key=lambda e: e["t"])
+        return {"rank": None, "node": first.get("node"), "error": f"node {first.get('node')} lost: {first.get('reason')}"}
     if failures:
         first = min(failures, key=lambda e: e["t"])
         same = [e["rank"] for e in failures if e.get("error") == first.get("error")]
@@ -88,6 +94,8 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         "wall_s": (run_finished["t"] - start) if run_finished and start else None,
         "params_sha256": finished.get("params_sha256"),
         "restarts": sum(1 for e in events if e["event"] == "restart"),
+        "preemptions": sum(1 for e in events if e["event"] == "node_preempted"),
+        "goodput": compute_goodput(events, metrics),
         "nodes_lost": sum(1 for e in events if e["event"] == "node_lost"),
         "samples_per_s": (sum(m["samples_per_s"] for m in metrics) / len(metrics)) if metrics else None,
         **run_efficiency(metrics),  # throughput_by_world_size, scaling_efficiency, step_time
