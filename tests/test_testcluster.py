@@ -54,7 +54,7 @@ def test_plan_runs_each_node_in_its_namespace_with_its_own_address():
     from orchestrator.plan.plan import build_plan
 
     state = plan_cluster("ci", 3, subnet_index=77)
-    cfg = compose_config("cpu_elastic", ["cluster.nnodes=2:3", "cluster.testcluster=ci"])
+    cfg = compose_config("cpu_elastic", ["launcher=local", "cluster.nnodes=2:3", "cluster.testcluster=ci"])
     plan = build_plan(cfg, "/tmp/run", "rid", store_port=1234, testcluster=state)
     assert plan.rendezvous_endpoint == "10.213.77.1:1234"
     for node, host in zip(plan.nodes, state.nodes):
@@ -68,9 +68,9 @@ def test_plan_runs_each_node_in_its_namespace_with_its_own_address():
 
 
 def test_bad_names_and_missing_clusters_exit_2():
-    r = run_orch("launch", "conf=cpu_gloo", "cluster.testcluster=Bad_Name", "--dry-run")
+    r = run_orch("launch", "conf=cpu_gloo", "launcher=local", "cluster.testcluster=Bad_Name", "--dry-run")
     assert r.returncode == 2 and "cluster.testcluster='Bad_Name'" in r.stderr
-    r = run_orch("launch", "conf=cpu_gloo", "cluster.testcluster=nosuchcluster", "--dry-run")
+    r = run_orch("launch", "conf=cpu_gloo", "launcher=local", "cluster.testcluster=nosuchcluster", "--dry-run")
     assert r.returncode == 2 and "no test cluster named 'nosuchcluster' is up" in r.stderr
     assert r.stderr.count("\n") == 1, "one line, no traceback"
     r = run_orch("launch", "conf=cpu_gloo", "launcher=ray", "cluster.testcluster=ci", "--dry-run")
