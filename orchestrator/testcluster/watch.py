@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import pickle
 import signal
+import os
 import time
 from collections import deque
 from pathlib import Path
@@ -155,6 +156,10 @@ class ClusterWatch:
         if time.monotonic() < self._next_poll:
             return []
         self._next_poll = time.monotonic() + POLL_INTERVAL_S
+        if not os.path.exists(f"/sys/class/net/{self.state.bridge}"):
+            # `testcluster down` removed the bridge, and with it the store's address: a store client would
+            # block on a dead connection. Nothing is left to watch; the agents' exits end the launch.
+            return []
         self._record_faults()
         live = {n: pid for n, pid in agent_pids.items() if running(n)}
         self._check_round(live)
