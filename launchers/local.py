@@ -24,6 +24,7 @@ from orchestrator.config.schema import OrchConfig
 from orchestrator.plan.plan import PLAN_FILE, LaunchPlan, build_plan
 from orchestrator.rendezvous import RendezvousStore
 from orchestrator.report.runlog import EventLog
+from orchestrator.report.summary import latest_launch
 from orchestrator.testcluster.state import state_for_launch
 
 EXIT_BARRIER_GRACE_S = 10.0
@@ -199,9 +200,7 @@ class LocalLauncher:
         return "failed"
 
     def _launch_events(self) -> list[dict]:
-        events = self.events.read()
-        starts = [i for i, e in enumerate(events) if e["event"] == "launch_started"]
-        return events[starts[-1]:] if starts else events
+        return latest_launch(self.events.read())
 
     def _was_noticed(self, node: int) -> bool:
         since = self.started_at[node]
