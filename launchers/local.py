@@ -110,13 +110,15 @@ class LocalLauncher:
 
     def _start_standbys(self) -> None:
         """On a preemption notice, boot the replacement at once: it starts while the noticed node saves and
-        leaves, and joins the next rendezvous round as soon as there is room (spot capacity requested early)."""
+        leaves, and joins the next rendezvous round as soon as there is room (spot capacity requested early).
+        Not for a SIGTERM notice: torchrun also SIGTERMs the workers it restarts on every membership change,
+        and a node whose agent stays needs no replacement; a SIGTERMed node is replaced when its agent exits."""
         if not self.cfg.preemption.replace_nodes:
             return
         for e in self._launch_events():
             node = e.get("node")
-            if e["event"] == "preemption_notice" and node in self.agents and node not in self.standby \
-                    and e["t"] >= self.started_at[node]:
+            if e["event"] == "preemption_notice" and e.get("source") != "sigterm" and node in self.agents \
+                    and node not in self.standby and e["t"] >= self.started_at[node]:
                 self.standby[node] = (self._spawn(node), time.time())
                 self.events.emit("node_standby_started", node=node, pid=self.standby[node][0].pid)
 
@@ -203,7 +205,9 @@ class LocalLauncher:
         return latest_launch(self.events.read())
 
     def _was_noticed(self, node: int) -> bool:
-        since = self.started_at[node]
+        """A preemption notice for ``node`` since its agent started and within the grace period: torchrun's own
+        SIGTERM to workers it restarts reads as a notice too, and must not excuse a failure much later."""
+        since = max(self.started_at[node], time.time() - self.cfg.preemption.grace_period_s - EXIT_BARRIER_GRACE_S)
         return any(e["event"] == "preemption_notice" and e.get("node") == node and e["t"] >= since
                    for e in self._launch_events())
 

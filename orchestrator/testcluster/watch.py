@@ -90,6 +90,14 @@ class RoundWatch:
         cutoff = datetime.now(timezone.utc) - timedelta(seconds=self.silence_s)
         return [m for m, beat in self.last_seen.items() if beat is not None and beat < cutoff]
 
+    def members(self) -> Optional[set[int]]:
+        """The agent PIDs the rendezvous knows now: the round's participants and the nodes waiting to join."""
+        state = self._read()
+        if state is None:
+            return None
+        known = [*state.participants, *state.wait_list, *getattr(state, "redundancy_list", ())]
+        return {m.pid for m in known}
+
     def silence(self) -> dict[str, float]:
         """Seconds since each member's newest keep-alive, by its address."""
         now = datetime.now(timezone.utc)
@@ -147,6 +155,7 @@ class ClusterWatch:
         self._next_bindings = 0.0
         self._faults_seen = 0
         self._cut_off: set[int] = set()  # nodes whose agent left while partitioned: restart them once healed
+        self._healed: set[int] = set()  # nodes healed since the last tick: end their stale workers
         self._next_poll = 0.0
 
     def poll(self, agent_pids: dict[int, int], running: Callable[[int], bool]) -> list[int]:
@@ -163,6 +172,7 @@ class ClusterWatch:
         self._record_faults()
         live = {n: pid for n, pid in agent_pids.items() if running(n)}
         self._check_round(live)
+        self._end_stale_workers(live)
         self._record_bindings(live)
         healed = [n for n in sorted(self._cut_off) if cluster.link_up(self.state, n)]
         self._cut_off.difference_update(healed)
@@ -176,6 +186,8 @@ class ClusterWatch:
                 append_jsonl(self.events.path, {"t": fault["t"], "event": FAULT_EVENTS[fault["fault"]],
                                                 "node": fault["node"], "host": fault["hostname"], "source": "testcluster",
                                                 **({"pids": fault["pids"]} if "pids" in fault else {})})
+                if fault["fault"] == "heal":
+                    self._healed.add(fault["node"])
         self._faults_seen = len(faults)
 
     def _check_round(self, agent_pids: dict[int, int]) -> None:
@@ -214,6 +226,36 @@ class ClusterWatch:
                          reason=f"no rendezvous keep-alive from {', '.join(hosts)} for over {self.silence_s:g} s while "
                                 f"the other nodes' workers sat blocked for {IDLE_WINDOW_S:g} s: ended those workers so "
                                 "their agents re-rendezvous instead of waiting out backend.timeout_s")
+
+    def _end_stale_workers(self, agent_pids: dict[int, int]) -> None:
+        """A healed node whose agent the rendezvous no longer knows (the survivors went on without it) still runs
+        workers of the dead round. Nothing tells them: they wait to receive, and TCP retransmits what they sent
+        only at a backed-off timer (a minute or more after a long partition). End them now, as after a crash:
+        their agent restarts them, they join the next rendezvous as a waiting node, and the job grows back."""
+        for node in sorted(self._healed):
+            self._healed.discard(node)
+            if node not in agent_pids:
+                continue  # its agent left while cut off: poll() starts a fresh one
+            try:
+                members = self.rounds.members()
+            except Exception:
+                return
+            if members is None or agent_pids[node] in members:
+                continue  # the round never broke (a short cut), or the node already rejoins by itself
+            try:
+                workers = psutil.Process(agent_pids[node]).children()
+            except psutil.NoSuchProcess:
+                continue
+            ended = []
+            for proc in workers:
+                try:
+                    proc.send_signal(signal.SIGKILL)
+                    ended.append(proc.pid)
+                except psutil.NoSuchProcess:
+                    pass
+            self.events.emit("stale_workers_ended", node=node, ended_worker_pids=ended,
+                             reason=f"node {node} was healed but the rendezvous went on without it: ended its workers "
+                                    "of the dead round so its agent rejoins instead of waiting on them")
 
     def _record_bindings(self, agent_pids: dict[int, int]) -> None:
         """Once per round, when every rank is connected to another node: which address each rank's TCP
