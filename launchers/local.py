@@ -50,6 +50,7 @@ class LocalLauncher:
         # cluster.testcluster: each node's agent runs on its test host (a network namespace); read before planning.
         self.testcluster = state_for_launch(cfg.cluster.testcluster, cfg.cluster.max_nodes)
         self._watch = None
+        self._store: Optional[RendezvousStore] = None
         if self.testcluster:
             from orchestrator.testcluster.netns import require_root
 
@@ -57,7 +58,7 @@ class LocalLauncher:
 
     def run(self) -> str:
         tc, r = self.testcluster, self.cfg.rendezvous
-        store = None if r.external else RendezvousStore(tc.bridge_address if tc else r.host, r.port)
+        store = self._store = None if r.external else RendezvousStore(tc.bridge_address if tc else r.host, r.port)
         port = store.port if store else r.port
         self._plan = build_plan(self.cfg, str(self.run_dir), self.run_id, store_port=port, testcluster=tc)
         (self.run_dir / PLAN_FILE).write_text(self._plan.to_json() + "\n")
@@ -155,12 +156,19 @@ class LocalLauncher:
                     continue
                 agent.wait()
                 kind = self._record_exit(node, rc, stopping)
+                if kind in ("preempted", "lost"):
+                    self._evict(node, agent.pid)
                 if kind == "preempted" and self.cfg.preemption.replace_nodes and not stopping and finished_at is None:
                     self._start_agent(node, replacement=True)
                 else:
                     exits[node] = rc
             time.sleep(0.1)
         return exits
+
+    def _evict(self, node: int, agent_pid: int) -> None:
+        """The survivors' next round need not wait for the departed agent's keep-alive to expire."""
+        if self._store is not None and self._store.evict(self.run_id, agent_pid):
+            self.events.emit("rendezvous_evicted", node=node, agent_pid=agent_pid)
 
     def _stop_on_signal(self, exits: dict[int, int]) -> str:
         if self._signal == signal.SIGTERM:

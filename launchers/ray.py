@@ -142,7 +142,7 @@ class RayLauncher:
             events.emit("launch_started", preset=plan.preset, run_id=self.run_id, launcher="ray", nodes=c.max_nodes,
                         rendezvous_endpoint=plan.rendezvous_endpoint, ray=self.ray_address, driver_ip=driver_ip,
                         placement="spread" if spread else "pack")
-            controller = Controller(cfg, plan, pool, events)
+            controller = Controller(cfg, plan, pool, events, evict=store.evict)
             previous = {s: signal.signal(s, lambda signum, _: controller.request_stop(signum))
                         for s in (signal.SIGINT, signal.SIGTERM)}
             echo.start()

@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from orchestrator.chaos import NODES_FILE  # {"<node>": <torchrun agent pid>}, read by `orch chaos kill-node`
 from orchestrator.config.schema import OrchConfig
@@ -79,8 +79,10 @@ def _parse(line: bytes) -> Optional[dict[str, Any]]:
 class Controller:
     """Runs one launch through its states until it is finished or failed; ``run()`` returns the status."""
 
-    def __init__(self, cfg: OrchConfig, plan: LaunchPlan, pool: NodePool, events: EventLog):
+    def __init__(self, cfg: OrchConfig, plan: LaunchPlan, pool: NodePool, events: EventLog,
+                 evict: Optional[Callable[[str, int], bool]] = None):
         self.cfg, self.plan, self.pool, self.events = cfg, plan, pool, events
+        self.evict = evict  # RendezvousStore.evict: drop a departed agent from the round at once
         self.run_dir = Path(plan.run_dir)
         self.min_nodes = cfg.cluster.min_nodes
         self.scaling = ScalingPolicy(cfg.cluster.min_nodes, cfg.cluster.max_nodes, cfg.failure.wait_for_nodes_s)
@@ -260,6 +262,8 @@ class Controller:
         if verdict.kind == FINISHED:
             self.any_finished = self.any_finished or not agent.stopping
         elif verdict.kind in (LOST, PREEMPTED):
+            if self.evict and agent.pid is not None and self.evict(self.rdzv_id, agent.pid):
+                self.events.emit("rendezvous_evicted", node=exit.node, agent_pid=agent.pid)
             self.preemptions += 1
             self._note_loss(time.time())
         elif verdict.kind == FAILED:

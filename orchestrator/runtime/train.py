@@ -40,8 +40,14 @@ def main(argv: list[str] | None = None) -> int:
                 events.emit("restart", restart_count=ctx.restart_count, world_size=ctx.world_size,
                             reason="workers restarted by the torchrun agent")
         Trainer(cfg, ctx, run_dir, events).fit()
-    except PreemptedExit:
-        raise  # not a failure: the launcher reads the exit code as "preempted"
+    except PreemptedExit as exc:
+        # Not a failure: the launcher reads the exit code as "preempted". The emergency checkpoint is committed
+        # and every rank passed the barrier after it; events and samples are appended line by line. Leave now:
+        # a torch interpreter's teardown (process group, modules) takes 1-2 s on a busy node, and the
+        # survivors' restart waits for this exit.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exc.code)
     except BaseException as exc:
         if not isinstance(exc, SystemExit) or exc.code:
             events.emit("worker_failed", rank=ctx.rank, node=ctx.node_rank, restart_count=ctx.restart_count,
