@@ -27,6 +27,7 @@ from orchestrator.report.runlog import EventLog
 CONNECT_TIMEOUT_S = 5.0
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 EMBEDDED_OBJECT_STORE_BYTES = 128 * 1024 * 1024  # orch passes no large objects; keep /dev/shm free for workers
+ABANDONED = False  # set by _abandon_ray: the CLI then leaves with os._exit (see orchestrator/cli.py)
 
 
 def connect(cfg: OrchConfig) -> str:
@@ -37,6 +38,11 @@ def connect(cfg: OrchConfig) -> str:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     address = cfg.cluster.address
     quiet = {"log_to_driver": False, "logging_level": logging.WARNING, "namespace": "orch"}
+    if cfg.cluster.testcluster:
+        from orchestrator.testcluster.ray_hosts import start_head
+        from orchestrator.testcluster.state import state_for_launch
+
+        return start_head(state_for_launch(cfg.cluster.testcluster, cfg.cluster.max_nodes))
     if not address:
         c = cfg.cluster
         try:
@@ -108,12 +114,37 @@ def _probe(address: str, host: str, port: int) -> None:
         channel.close()
 
 
+def _abandon_ray() -> None:
+    """The head's address vanished (its test cluster was taken down under it): ``ray.shutdown`` would wait
+    forever on threads reading from it. End the head's processes (this process's children) by PID instead,
+    and keep Ray's exit hook from trying again."""
+    import atexit
+
+    import psutil
+    from ray._private import worker
+
+    from launchers.processes import terminate_tree
+
+    global ABANDONED
+    ABANDONED = True
+    atexit.unregister(worker.shutdown)
+    for child in psutil.Process().children():
+        terminate_tree(child.pid, grace_s=5.0)
+
+
 class RayLauncher:
     """Runs ``cfg`` through the controller on Ray; ``run()`` returns the run's status. Connecting happens in
     the constructor, before the run dir exists, so an unreachable cluster leaves nothing behind."""
 
     def __init__(self, cfg: OrchConfig, run_dir: str, run_id: str, echo: Optional[TextIO] = sys.stdout):
         self.cfg, self.run_dir, self.run_id, self.echo = cfg, Path(run_dir), run_id, echo
+        self.testcluster = None
+        if cfg.cluster.testcluster:
+            from orchestrator.testcluster.netns import require_root
+            from orchestrator.testcluster.state import state_for_launch
+
+            require_root(f"cluster.testcluster={cfg.cluster.testcluster}")
+            self.testcluster = state_for_launch(cfg.cluster.testcluster, cfg.cluster.max_nodes)
         self.ray_address = connect(cfg)
         self.embedded = self.ray_address == "embedded"
 
@@ -125,24 +156,29 @@ class RayLauncher:
         from orchestrator.controller.log_echo import LogEcho
         from orchestrator.controller.ray_pool import RayNodePool
 
-        c = self.cfg.cluster
+        c, tc = self.cfg.cluster, self.testcluster
         driver_ip = ray.util.get_node_ip_address()
         # The store lives here, on the driver's node, never on a worker node; agents dial this node's IP.
         host = driver_ip if self.cfg.rendezvous.host in LOOPBACK else self.cfg.rendezvous.host
         cfg = dataclasses.replace(self.cfg, rendezvous=dataclasses.replace(self.cfg.rendezvous, host=host))
-        spread = c.placement == "spread" or (c.placement == "auto" and not self.embedded)
+        spread = c.placement == "spread" or (c.placement == "auto" and not self.embedded) or tc is not None
         store = RendezvousStore(host, cfg.rendezvous.port)
         events = EventLog(self.run_dir)
         echo = LogEcho(self.run_dir / "logs", self.echo)
         pool = RayNodePool(c.cpus_per_node, c.gpus_per_agent, spread, c.max_nodes)
         drill = PreemptionDrill(str(self.run_dir), self.cfg.preemption.schedule)  # preemption.schedule, if set
+        hosts = watch = None
         try:
-            plan = build_plan(cfg, str(self.run_dir), self.run_id, store_port=store.port)
+            plan = build_plan(cfg, str(self.run_dir), self.run_id, store_port=store.port, testcluster=tc)
             (self.run_dir / PLAN_FILE).write_text(plan.to_json() + "\n")
-            events.emit("launch_started", preset=plan.preset, run_id=self.run_id, launcher="ray", nodes=c.max_nodes,
-                        rendezvous_endpoint=plan.rendezvous_endpoint, ray=self.ray_address, driver_ip=driver_ip,
-                        placement="spread" if spread else "pack")
-            controller = Controller(cfg, plan, pool, events, evict=store.evict)
+            started = events.emit("launch_started", preset=plan.preset, run_id=self.run_id, launcher="ray",
+                                  nodes=c.max_nodes, rendezvous_endpoint=plan.rendezvous_endpoint, ray=self.ray_address,
+                                  driver_ip=driver_ip, placement="spread" if spread else "pack",
+                                  **({"testcluster": tc.name} if tc else {}))
+            on_tick = None
+            if tc:
+                hosts, watch, on_tick = self._testcluster_duties(tc, events, started["t"], store.port)
+            controller = Controller(cfg, plan, pool, events, evict=store.evict, on_tick=on_tick)
             previous = {s: signal.signal(s, lambda signum, _: controller.request_stop(signum))
                         for s in (signal.SIGINT, signal.SIGTERM)}
             echo.start()
@@ -154,7 +190,41 @@ class RayLauncher:
                     signal.signal(s, handler)
         finally:
             drill.stop()
-            pool.close()
+            if not (hosts and hosts.gone()):  # else the head's address is gone too: a Ray call would hang
+                pool.close()
+            if watch:
+                watch.close()
+            if hosts:
+                hosts.close()
             echo.stop()
             store.close()
-            ray.shutdown()
+            if hosts and hosts.gone():
+                _abandon_ray()
+            else:
+                ray.shutdown()
+
+    def _testcluster_duties(self, tc, events: EventLog, since: float, store_port: int):
+        """A Ray node on every test host, and what the controller does on each tick there: record faults,
+        break a round a partition left hanging, end a healed host's stale workers, bring back hosts' Ray nodes."""
+        from orchestrator.testcluster.ray_hosts import RayHosts
+        from orchestrator.testcluster.watch import ClusterWatch
+
+        hosts = RayHosts(tc, self.ray_address, self.cfg.cluster.cpus_per_node, str(self.run_dir), events)
+        watch = ClusterWatch(tc, str(self.run_dir), self.run_id, events, self.cfg.rendezvous, since=since,
+                             store_port=store_port)
+        try:
+            hosts.start_all()
+        except BaseException:
+            hosts.close()
+            raise
+
+        def on_tick(agent_pids: dict[int, int], rdzv_id: str) -> Optional[str]:
+            if hosts.gone():
+                return (f"test cluster {tc.name} was taken down during the run (`orch testcluster down`): its hosts, "
+                        "their Ray nodes and the bridge the Ray head listens on are gone")
+            watch.follow(rdzv_id)
+            watch.poll(agent_pids, lambda node: node in agent_pids)
+            hosts.supervise()
+            return None
+
+        return hosts, watch, on_tick

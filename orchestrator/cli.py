@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Callable, Optional
 
@@ -323,6 +324,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     if argv[:2] == ["k8s", "render"]:  # options may stand anywhere among the overrides, too
         argv = options_last(argv, ("--format", "-o", "--output"))
     args = build_parser().parse_args(argv)
+    code = _run(args)
+    ray_launcher = sys.modules.get("launchers.ray")
+    if ray_launcher is not None and ray_launcher.ABANDONED:
+        # Ray's core worker cannot be torn down once its head's address vanished (a test cluster taken down
+        # under the run): its exit hooks crash. Everything orch owed is written; leave with the run's code.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return args.func(args)
     except BrokenPipeError:  # `orch ... | head`: the reader left; not an error

@@ -73,8 +73,8 @@ def test_bad_names_and_missing_clusters_exit_2():
     r = run_orch("launch", "conf=cpu_gloo", "launcher=local", "cluster.testcluster=nosuchcluster", "--dry-run")
     assert r.returncode == 2 and "no test cluster named 'nosuchcluster' is up" in r.stderr
     assert r.stderr.count("\n") == 1, "one line, no traceback"
-    r = run_orch("launch", "conf=cpu_gloo", "launcher=ray", "cluster.testcluster=ci", "--dry-run")
-    assert r.returncode == 2 and "cluster.testcluster='ci' works with launcher=local only" in r.stderr
+    r = run_orch("launch", "conf=cpu_gloo", "launcher=ray", "cluster.testcluster=ci", "cluster.address=auto", "--dry-run")
+    assert r.returncode == 2 and "cluster.testcluster='ci' cannot join another Ray cluster" in r.stderr
 
 
 def test_commands_that_change_the_network_need_root(monkeypatch, capsys):

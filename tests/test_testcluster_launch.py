@@ -16,16 +16,25 @@ from orchestrator.testcluster.cluster import leftovers
 pytestmark = pytest.mark.slow
 
 
+def lost_ray_node(run_dir, node=2):
+    """The Ray node id node ``node``'s first agent joined on."""
+    return next(e["ray_node"] for e in events_of(run_dir, "node_joined") if e["node"] == node)
+
+
 def events_of(run_dir, name, after=0.0):
     return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == name and e["t"] > after]
 
 
-@pytest.mark.timeout(300)
+LAUNCHERS = pytest.mark.parametrize("launcher", ["local", "ray"])
+
+
+@pytest.mark.timeout(360)
 @pytest.mark.testcluster(nodes=3)
-def test_cpu_gloo_job_across_three_hosts_binds_each_rank_to_its_host(testcluster, tmp_path):
+@LAUNCHERS
+def test_cpu_gloo_job_across_three_hosts_binds_each_rank_to_its_host(testcluster, tmp_path, launcher):
     tc, run_dir = testcluster, tmp_path / "run"
-    result = run_orch("launch", "conf=cpu_gloo", *tc.launch_overrides(), "cluster.nnodes=3",
-                      "trainer.global_batch_size=24", f"run.dir={run_dir}", timeout=240)
+    result = run_orch("launch", "conf=cpu_gloo", *tc.launch_overrides(launcher), "cluster.nnodes=3",
+                      "trainer.global_batch_size=24", f"run.dir={run_dir}", timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     s = summary(run_dir)
     assert s["status"] == "succeeded" and s["steps_completed"] == 40 and s["world_size_history"] == [3]
@@ -34,6 +43,9 @@ def test_cpu_gloo_job_across_three_hosts_binds_each_rank_to_its_host(testcluster
     assert plan["rendezvous_endpoint"].startswith(tc.store_address + ":"), "the store listens on the bridge"
     assert [n["netns"] for n in plan["nodes"]] == tc.netns
     assert all(f"--local-addr={h}" in n["argv"] for n, h in zip(plan["nodes"], tc.hostnames))
+    if launcher == "ray":  # node i's agent actor ran on the Ray node that joined from host i's address
+        assert {e["node"]: e["ip"] for e in events_of(run_dir, "node_joined")} == dict(enumerate(tc.addresses))
+        assert {e["address"] for e in events_of(run_dir, "testcluster_ray_node_started")} == set(tc.addresses)
 
     # Every rank's TCP sockets (gloo's pairs, the workers' store) are bound to its own host's address, and each
     # reaches the other hosts' addresses: the traffic crossed the veth links, not loopback.
@@ -50,11 +62,12 @@ def test_cpu_gloo_job_across_three_hosts_binds_each_rank_to_its_host(testcluster
     print("\n" + log)
 
 
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(540)
 @pytest.mark.testcluster(nodes=3)
-def test_partitioned_host_is_dropped_within_keepalive_timeouts_and_rejoins_when_healed(testcluster, tmp_path):
+@LAUNCHERS
+def test_partitioned_host_is_dropped_within_keepalive_timeouts_and_rejoins_when_healed(testcluster, tmp_path, launcher):
     tc, run_dir = testcluster, tmp_path / "run"
-    proc = start_orch("launch", "conf=cpu_elastic", *tc.launch_overrides(), "cluster.nnodes=2:3", "trainer.max_steps=1000",
+    proc = start_orch("launch", "conf=cpu_elastic", *tc.launch_overrides(launcher), "cluster.nnodes=2:3", "trainer.max_steps=1000",
                       "trainer.log_every=10", "checkpoint.every_n_steps=20", f"run.dir={run_dir}", log=tmp_path / "orch.log")
     try:
         metrics = lambda: read_jsonl(run_dir / "metrics.jsonl")  # noqa: E731
@@ -99,12 +112,13 @@ def test_partitioned_host_is_dropped_within_keepalive_timeouts_and_rejoins_when_
     assert resumed["step"] == loaded["step"] + 1 and resumed["world_size"] == 3
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 @pytest.mark.testcluster(nodes=2)
-def test_down_during_a_run_leaves_no_namespace_link_or_process(testcluster, tmp_path):
+@LAUNCHERS
+def test_down_during_a_run_leaves_no_namespace_link_or_process(testcluster, tmp_path, launcher):
     tc, run_dir = testcluster, tmp_path / "run"
-    proc = start_orch("launch", "conf=cpu_elastic", *tc.launch_overrides(), "cluster.nnodes=1:2", "trainer.max_steps=100000",
-                      f"run.dir={run_dir}", log=tmp_path / "orch.log")
+    proc = start_orch("launch", "conf=cpu_elastic", *tc.launch_overrides(launcher), "cluster.nnodes=1:2",
+                      "trainer.max_steps=100000", "failure.wait_for_nodes_s=10", f"run.dir={run_dir}", log=tmp_path / "orch.log")
     try:
         wait_for(lambda: events_of(run_dir, "first_step"), 180, "the first step")
         inside = [p for n in tc.nodes for p in tc.pids(n)]
@@ -112,7 +126,7 @@ def test_down_during_a_run_leaves_no_namespace_link_or_process(testcluster, tmp_
         assert set(agents) <= set(inside) and len(inside) >= 4, "agents and workers run inside the namespaces"
         r = run_orch("testcluster", "down", tc.name)
         assert r.returncode == 0, r.stderr
-        proc.wait(timeout=120)  # every node is gone: the launch ends (it cannot finish training)
+        rc = proc.wait(timeout=120)  # every node is gone: the launch ends (it cannot finish training)
     finally:
         stop_tree(proc.pid)
     gone = lambda p: not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE  # noqa: E731
@@ -120,4 +134,44 @@ def test_down_during_a_run_leaves_no_namespace_link_or_process(testcluster, tmp_
     assert leftovers(tc.name) == []
     assert not [ns for ns in nx.list_netns() if ns in tc.netns]
     assert not [link for link in nx.links() if link in {tc.state.bridge, *(n.host_link for n in tc.state.nodes)}]
-    assert [e["node"] for e in events_of(run_dir, "node_lost")] != []
+    assert rc == 1, (tmp_path / "orch.log").read_text()[-3000:]
+    if launcher == "local":
+        assert [e["node"] for e in events_of(run_dir, "node_lost")] != []
+    else:  # the Ray head listened on the removed bridge: the controller ends the run at once, saying why
+        (finished,) = events_of(run_dir, "run_finished")
+        assert finished["status"] == "failed" and "was taken down during the run" in finished["reason"]
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.testcluster(nodes=3)
+def test_ray_host_killed_is_lost_and_its_ray_node_comes_back_and_the_job_grows_onto_it(testcluster, tmp_path):
+    """launcher=ray: every process on a host is killed (its raylet too). Ray declares the node dead, the
+    controller counts a lost node and the survivors go on at world size 2; the host's Ray node is started
+    again (the machine came back), and the controller grows the job onto it with that host's settings."""
+    tc, run_dir = testcluster, tmp_path / "run"
+    proc = start_orch("launch", "conf=cpu_elastic", *tc.launch_overrides("ray"), "cluster.nnodes=2:3",
+                      "trainer.max_steps=800", "trainer.log_every=10", "checkpoint.every_n_steps=20",
+                      f"run.dir={run_dir}", log=tmp_path / "orch.log")
+    try:
+        metrics = lambda: read_jsonl(run_dir / "metrics.jsonl")  # noqa: E731
+        wait_for(lambda: any(m["step"] >= 40 and m["world_size"] == 3 for m in metrics()), 240, "step 40 at world size 3")
+        killed = tc.kill(2)["t"]
+        (lost,) = wait_for(lambda: events_of(run_dir, "node_lost", killed), 90, "node 2 lost")
+        assert lost["node"] == 2
+        wait_for(lambda: [e for e in events_of(run_dir, "first_step", killed) if e["world_size"] == 2], 120,
+                 "the survivors training at world size 2")
+        rejoined = wait_for(lambda: [e for e in events_of(run_dir, "node_joined", killed) if e["node"] == 2], 180,
+                            "node 2's agent on a new Ray node")[0]
+        back = [e for e in events_of(run_dir, "testcluster_ray_node_started", killed) if e["t"] < rejoined["t"]]
+        assert back and all(e["node"] == 2 and e["restart"] and e["address"] == tc.addresses[2] for e in back)
+        assert rejoined["ip"] == tc.addresses[2] and rejoined["ray_node"] != lost_ray_node(run_dir)
+        wait_for(lambda: [e for e in events_of(run_dir, "first_step", rejoined["t"]) if e["world_size"] == 3], 120,
+                 "training at world size 3 again")
+        assert proc.wait(timeout=300) == 0, (tmp_path / "orch.log").read_text()[-3000:]
+    finally:
+        stop_tree(proc.pid)
+    s = summary(run_dir)
+    assert s["status"] == "succeeded" and s["steps_completed"] == 800
+    assert s["world_size_history"] == [3, 2, 3]
+    assert s["preemptions"] == 0 and [r["mttr_s"] for r in s["recoveries"]], s["recoveries"]
+    assert leftovers(tc.name) == [] or all(not tc.pids(n) for n in tc.nodes), "no Ray node left running on a host"

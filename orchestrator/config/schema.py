@@ -129,7 +129,8 @@ class ClusterConfig:
     or ``auto``: pack on the embedded single-node Ray, spread on a joined cluster."""
     testcluster: Optional[str] = None
     """Run on the test cluster of this name (``orch testcluster up --name NAME``): each simulated node's agent
-    runs inside its own network namespace, with its own address and hostname. ``null``: this host's network."""
+    runs inside its own network namespace, with its own address and hostname (with launcher=ray, on a Ray node
+    orch starts inside it). ``null``: this host's network."""
     node_index: Optional[int] = None
     """Local launcher: run only this node (0..MAX-1) of the job here, as each pod of a Kubernetes job does with
     ``$(JOB_COMPLETION_INDEX)``; ``null`` runs all MAX nodes on this machine."""
@@ -468,5 +469,7 @@ class OrchConfig:
 
     def __post_init__(self) -> None:
         _one_of("launcher", self.launcher, LAUNCHERS)
-        _require("cluster.testcluster", self.cluster.testcluster, not self.cluster.testcluster or self.launcher == "local",
-                 "use launcher=local (test clusters do not run launcher=ray yet)", "works with launcher=local only")
+        _require("cluster.testcluster", self.cluster.testcluster,
+                 not (self.cluster.testcluster and self.launcher == "ray" and self.cluster.address),
+                 "drop cluster.address: on a test cluster orch starts its own Ray head on the cluster's bridge",
+                 "cannot join another Ray cluster")

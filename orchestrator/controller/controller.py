@@ -80,9 +80,16 @@ class Controller:
     """Runs one launch through its states until it is finished or failed; ``run()`` returns the status."""
 
     def __init__(self, cfg: OrchConfig, plan: LaunchPlan, pool: NodePool, events: EventLog,
-                 evict: Optional[Callable[[str, int], bool]] = None):
+                 evict: Optional[Callable[[str, int], bool]] = None,
+                 on_tick: Optional[Callable[[dict[int, int], str], Optional[str]]] = None):
         self.cfg, self.plan, self.pool, self.events = cfg, plan, pool, events
         self.evict = evict  # RendezvousStore.evict: drop a departed agent from the round at once
+        # Side duties every poll, given {node: torchrun pid} and the rendezvous id (test clusters: fault events,
+        # partitioned rounds, the hosts' Ray nodes); a returned reason fails the run at once.
+        self.on_tick = on_tick
+        # Test clusters: node i runs on the Ray node whose IP is host i's address, with host i's settings.
+        self.hosted = {p.address: p.node for p in plan.nodes if p.address}
+        self._node_ips: dict[str, str] = {}
         self.run_dir = Path(plan.run_dir)
         self.min_nodes = cfg.cluster.min_nodes
         self.scaling = ScalingPolicy(cfg.cluster.min_nodes, cfg.cluster.max_nodes, cfg.failure.wait_for_nodes_s)
@@ -163,6 +170,12 @@ class Controller:
     def handle_updates(self) -> Optional[State]:
         """Read new events, then agent starts and exits; returns the next state if an exit calls for one."""
         self._read_events()
+        if self.on_tick:
+            fatal = self.on_tick({n: a.pid for n, a in self.agents.items() if a.pid is not None and not a.stopping},
+                                 self.rdzv_id)
+            if fatal:  # the machines themselves are gone: nothing is left to stop through Ray
+                self.agents.clear()
+                return Failed(fatal)
         nxt: Optional[State] = None
         for update in self.pool.poll(POLL_S):
             if isinstance(update, AgentStarted):
@@ -182,7 +195,9 @@ class Controller:
             return ScalingDecision()
         self._next_scale = now + SCALE_INTERVAL_S
         self._drop_unplaceable(now)
-        decision = self.scaling.decide(self.pool.nodes(), Counter(a.node_id for a in self.agents.values()), grow,
+        nodes = self.pool.nodes()
+        self._node_ips = {n.node_id: n.ip for n in nodes}
+        decision = self.scaling.decide(nodes, Counter(a.node_id for a in self.agents.values()), grow,
                                        now - self._below_min_since if self._below_min_since else 0.0)
         for node_id in decision.start_on:
             self._start_agent(node_id)
@@ -221,7 +236,12 @@ class Controller:
     # -- acting on agents -------------------------------------------------------------------------------------
 
     def _start_agent(self, node_id: str) -> None:
-        index = min(set(range(self.cfg.cluster.max_nodes)) - set(self.agents))
+        if self.hosted:
+            index = self.hosted.get(self._node_ips.get(node_id, ""))
+            if index is None or index in self.agents:
+                return  # not a test host of this run, or its previous agent is still leaving
+        else:
+            index = min(set(range(self.cfg.cluster.max_nodes)) - set(self.agents))
         plan = self.plan.nodes[index]
         argv = tuple(f"--rdzv-id={self.rdzv_id}" if a.startswith("--rdzv-id=") else a for a in plan.argv)
         env = {**{k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}, **plan.env}
@@ -251,6 +271,11 @@ class Controller:
     def _on_exit(self, exit: AgentExit) -> Optional[State]:
         agent = self.agents.pop(exit.node, None)
         if agent is None:
+            return None
+        if agent.pid is None and exit.actor_died and not agent.stopping:
+            # Placed on a Ray node that died before the agent started (Ray still listed it as alive): nothing of
+            # the job ran there, so nothing is lost and nothing to recover; the slot is free for a live node.
+            self.events.emit("node_start_failed", node=exit.node, ray_node=agent.node_id, reason=exit.detail)
             return None
         self.exit_codes[exit.node] = exit.exit_code
         verdict = classify(exit, agent.stopping, self._noticed(exit.node, since=agent.requested_t))

@@ -31,6 +31,8 @@ class NodePlan:
     """Test clusters (``cluster.testcluster``): the network namespace the agent runs in; None: this host's."""
     hostname: Optional[str] = None
     """Test clusters: the node's hostname (its agent's UTS hostname and ``--local-addr``)."""
+    address: Optional[str] = None
+    """Test clusters: the node's address (with launcher=ray, its agent goes on the Ray node with this IP)."""
 
     def command_line(self) -> str:
         return shlex.join(self.argv)
@@ -161,7 +163,8 @@ def build_plan(cfg: OrchConfig, run_dir: str, run_id: str, store_port: Optional[
     nodes = tuple(NodePlan(node=i, argv=torchrun_argv(cfg, i, run_id, endpoint, run_dir, python,
                                                       local_addr=host.hostname if host else None),
                            env={**node_env(cfg, i, run_dir, run_id), **(testcluster_env(host) if host else {})},
-                           netns=host.netns if host else None, hostname=host.hostname if host else None)
+                           netns=host.netns if host else None, hostname=host.hostname if host else None,
+                           address=host.address if host else None)
                   for i, host in zip(range(cfg.cluster.max_nodes), hosts))
     ckpt = cfg.checkpoint
     settings = {

@@ -290,9 +290,9 @@ class TestCluster:
     def store_address(self) -> str:
         return self.state.bridge_address
 
-    def launch_overrides(self) -> list[str]:
-        """What to add to ``orch launch`` to run on this cluster."""
-        return ["launcher=local", f"cluster.testcluster={self.name}"]
+    def launch_overrides(self, launcher: str = "local") -> list[str]:
+        """What to add to ``orch launch`` to run on this cluster (``launcher``: local or ray)."""
+        return [f"launcher={launcher}", f"cluster.testcluster={self.name}"]
 
     def partition(self, node: int) -> dict:
         return partition(self.name, node)

@@ -90,6 +90,12 @@ class RoundWatch:
         cutoff = datetime.now(timezone.utc) - timedelta(seconds=self.silence_s)
         return [m for m, beat in self.last_seen.items() if beat is not None and beat < cutoff]
 
+    def follow(self, run_id: str) -> None:
+        """Watch rendezvous ``run_id`` from now on (the Ray controller uses a fresh id for every restart)."""
+        key = f"torch.rendezvous.{run_id}"
+        if key != self.key:
+            self.key, self.round, self.last_seen = key, None, {}
+
     def members(self) -> Optional[set[int]]:
         """The agent PIDs the rendezvous knows now: the round's participants and the nodes waiting to join."""
         state = self._read()
@@ -157,6 +163,10 @@ class ClusterWatch:
         self._cut_off: set[int] = set()  # nodes whose agent left while partitioned: restart them once healed
         self._healed: set[int] = set()  # nodes healed since the last tick: end their stale workers
         self._next_poll = 0.0
+
+    def follow(self, run_id: str) -> None:
+        """Watch rendezvous ``run_id`` from now on (the Ray controller uses a fresh id for every restart)."""
+        self.rounds.follow(run_id)
 
     def poll(self, agent_pids: dict[int, int], running: Callable[[int], bool]) -> list[int]:
         """One tick (acts at most every 0.5 s): record new faults as run events; end the survivors' workers
