@@ -68,7 +68,7 @@ def launch(cfg: OrchConfig, dry_run: bool = False, echo: Optional[TextIO] = sys.
     if dry_run:
         print(plan.format_text(), file=echo or sys.stdout)
         return {"status": "dry-run", "plan": plan}
-    check_local_resources(plan)
+    check_local_resources(plan, cfg.cluster)
     preflight_checkpoints(cfg)
     # Live progress (tailing the run dir) shares the terminal with node output: launchers write through it.
     progress = RunProgress(cfg.run.dir, cfg.trainer.max_steps if cfg.entrypoint.builtin else None, echo) if echo else None

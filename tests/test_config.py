@@ -118,3 +118,32 @@ def test_help_lists_presets_and_groups():
         assert result.returncode == 0
         for word in ("cpu_gloo", "bert8gpu", "cpu_elastic", "backend", "model", "optim", "scheduler", "data"):
             assert word in result.stdout
+
+
+@pytest.mark.parametrize("args, here", [
+    ([], 1),                                                                    # embedded Ray: every node here
+    (["launcher=local", "cluster.nnodes=2", "trainer.global_batch_size=512"], 2),
+    (["launcher=local", "cluster.nnodes=2", "trainer.global_batch_size=512", "cluster.node_index=1"], 1),  # a pod
+    (["cluster.address=10.0.0.1:6379"], 0),                                     # the Ray cluster's nodes bring GPUs
+])
+def test_gpus_are_checked_for_the_nodes_that_run_on_this_machine(args, here):
+    from orchestrator.plan.plan import build_plan
+    from orchestrator.plan.resources import nodes_here
+
+    cfg = compose_config("bert8gpu", args)
+    assert nodes_here(build_plan(cfg, "/tmp/run", "rid"), cfg.cluster) == here
+
+
+def test_a_pod_running_one_node_needs_one_nodes_gpus_and_joining_ray_needs_none_here(tmp_path):
+    pod = run_orch("launch", "conf=bert8gpu", "launcher=local", "cluster.nnodes=2", "trainer.global_batch_size=512",
+                   "cluster.node_index=1", f"run.dir={tmp_path / 'pod'}", timeout=60)
+    assert pod.returncode == 2 and "needs 8 CUDA GPU(s)" in pod.stderr and "1 node(s) here" in pod.stderr
+    import socket
+
+    with socket.socket() as s:  # a free port nobody answers on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    joined = run_orch("launch", "conf=bert8gpu", f"cluster.address=127.0.0.1:{port}", f"run.dir={tmp_path / 'ray'}",
+                      timeout=60)
+    assert joined.returncode == 2 and "no Ray cluster answers" in joined.stderr, joined.stderr
+    assert "CUDA" not in joined.stderr and not (tmp_path / "ray").exists()

@@ -87,6 +87,8 @@ def test_user_code_failure_names_the_root_cause_rank(tmp_path):
     assert "root cause rank 1" in result.stderr and "ValueError: deliberate bug in user code" in result.stderr
     s = summary(run_dir)
     assert s["status"] == "failed" and s["root_cause"]["rank"] == 1
+    # The root cause names orch's node (whose log holds the traceback), not torchrun's group rank.
+    assert "deliberate bug in user code" in (run_dir / "logs" / f"node{s['root_cause']['node']}.log").read_text()
 
 
 def test_killing_a_simulated_node_leaves_store_and_survivor_alive(tmp_path):

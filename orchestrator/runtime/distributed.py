@@ -21,7 +21,10 @@ class DistContext:
     local_rank: int
     local_world_size: int
     node_rank: int
+    """torchrun's group rank in the current round (it changes as nodes come and go)."""
     restart_count: int
+    node: int = 0
+    """orch's node index (``ORCH_NODE``, set by the launcher; the group rank outside orch): what run events name."""
 
     @classmethod
     def from_env(cls) -> "DistContext":
@@ -33,6 +36,7 @@ class DistContext:
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
             node_rank=int(env.get("GROUP_RANK", 0)),
             restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            node=int(env.get("ORCH_NODE", env.get("GROUP_RANK", 0))),
         )
 
     @property

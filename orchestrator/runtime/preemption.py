@@ -38,7 +38,7 @@ class PreemptionResponse:
     def __init__(self, trainer: "Trainer"):
         self.trainer = trainer
         cfg = trainer.cfg.preemption
-        self.node = int(os.environ.get("ORCH_NODE", trainer.ctx.node_rank))
+        self.node = trainer.ctx.node
         # One poller per node is enough (local rank 0); every rank handles SIGTERM, which hits them all.
         pollers = build_sources(cfg.sources, cfg, trainer.run_dir, self.node) if trainer.ctx.local_rank == 0 else []
         self.watcher = PreemptionWatcher(pollers, "sigterm" in cfg.sources, cfg.poll_interval_s).start()

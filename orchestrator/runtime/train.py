@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(exc.code)
     except BaseException as exc:
         if not isinstance(exc, SystemExit) or exc.code:
-            events.emit("worker_failed", rank=ctx.rank, node=ctx.node_rank, restart_count=ctx.restart_count,
+            events.emit("worker_failed", rank=ctx.rank, node=ctx.node, restart_count=ctx.restart_count,
                         error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-4000:])
         raise
     finally:
