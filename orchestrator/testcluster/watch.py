@@ -54,6 +54,18 @@ IDLE_CPU_S = 0.15
 even sharing two cores with a dozen processes)."""
 
 
+def _end(workers: list[psutil.Process]) -> list[int]:
+    """SIGKILL ``workers`` (as a crash would: their torchrun agent restarts them); returns the PIDs ended."""
+    ended = []
+    for proc in workers:
+        try:
+            proc.send_signal(signal.SIGKILL)
+            ended.append(proc.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return ended
+
+
 class RoundWatch:
     """Reads the c10d rendezvous state of ``run_id`` from the store at ``host:port``."""
 
@@ -222,13 +234,7 @@ class ClusterWatch:
         if not self.cpu.idle([p.pid for p in victims]):
             return  # the survivors still compute: torchrun dropped a slow member from its books, nothing hangs
         self._acted_round = self.rounds.round
-        ended = []
-        for proc in victims:
-            try:
-                proc.send_signal(signal.SIGKILL)
-                ended.append(proc.pid)
-            except psutil.NoSuchProcess:
-                pass
+        ended = _end(victims)
         hosts = [m.addr for m in silent]
         self.events.emit("round_broken", round=self.rounds.round, silent_nodes=sorted(by_pid.get(m.pid, -1) for m in silent),
                          silent_hosts=hosts, silent_for_s=self.rounds.silence(), survivors=survivors,
@@ -256,14 +262,7 @@ class ClusterWatch:
                 workers = psutil.Process(agent_pids[node]).children()
             except psutil.NoSuchProcess:
                 continue
-            ended = []
-            for proc in workers:
-                try:
-                    proc.send_signal(signal.SIGKILL)
-                    ended.append(proc.pid)
-                except psutil.NoSuchProcess:
-                    pass
-            self.events.emit("stale_workers_ended", node=node, ended_worker_pids=ended,
+            self.events.emit("stale_workers_ended", node=node, ended_worker_pids=_end(workers),
                              reason=f"node {node} was healed but the rendezvous went on without it: ended its workers "
                                     "of the dead round so its agent rejoins instead of waiting on them")
 
