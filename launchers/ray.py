@@ -13,7 +13,6 @@ import dataclasses
 import logging
 import math
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Optional, TextIO
@@ -22,7 +21,8 @@ from orchestrator.config.schema import OrchConfig
 from orchestrator.errors import EnvironmentMismatch
 from orchestrator.plan.plan import PLAN_FILE, build_plan
 from orchestrator.rendezvous import RendezvousStore
-from orchestrator.report.runlog import EventLog
+from orchestrator.controller.api import RunHooks
+from orchestrator.rundir import EventLog, EventName
 
 CONNECT_TIMEOUT_S = 5.0
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -123,7 +123,7 @@ def _abandon_ray() -> None:
     import psutil
     from ray._private import worker
 
-    from launchers.processes import terminate_tree
+    from orchestrator.processes import terminate_tree
 
     global ABANDONED
     ABANDONED = True
@@ -151,10 +151,9 @@ class RayLauncher:
     def run(self) -> str:
         import ray
 
-        from orchestrator.chaos import PreemptionDrill
-        from orchestrator.controller.controller import Controller
-        from orchestrator.controller.log_echo import LogEcho
-        from orchestrator.controller.ray_pool import RayNodePool
+        from orchestrator.controller.controller import Controller, notice_sender, run_with_signals
+        from orchestrator.controller.pools.log_echo import LogEcho
+        from orchestrator.controller.pools.ray import RayNodePool
 
         c, tc = self.cfg.cluster, self.testcluster
         driver_ip = ray.util.get_node_ip_address()
@@ -166,65 +165,44 @@ class RayLauncher:
         events = EventLog(self.run_dir)
         echo = LogEcho(self.run_dir / "logs", self.echo)
         pool = RayNodePool(c.cpus_per_node, c.gpus_per_agent, spread, c.max_nodes)
-        drill = PreemptionDrill(str(self.run_dir), self.cfg.preemption.schedule)  # preemption.schedule, if set
-        hosts = watch = None
+        hooks: RunHooks = RunHooks()
         try:
             plan = build_plan(cfg, str(self.run_dir), self.run_id, store_port=store.port, testcluster=tc)
             (self.run_dir / PLAN_FILE).write_text(plan.to_json() + "\n")
-            started = events.emit("launch_started", preset=plan.preset, run_id=self.run_id, launcher="ray",
+            started = events.emit(EventName.LAUNCH_STARTED, preset=plan.preset, run_id=self.run_id, launcher="ray",
                                   nodes=c.max_nodes, rendezvous_endpoint=plan.rendezvous_endpoint, ray=self.ray_address,
                                   driver_ip=driver_ip, placement="spread" if spread else "pack",
                                   **({"testcluster": tc.name} if tc else {}))
-            on_tick = None
             if tc:
-                hosts, watch, on_tick = self._testcluster_duties(tc, events, started["t"], store.port)
-            controller = Controller(cfg, plan, pool, events, evict=store.evict, on_tick=on_tick)
-            previous = {s: signal.signal(s, lambda signum, _: controller.request_stop(signum))
-                        for s in (signal.SIGINT, signal.SIGTERM)}
+                hooks = self._testcluster_hooks(tc, events, started["t"], store.port)
+            controller = Controller(cfg, plan, pool, events, evict=store.evict, notify=notice_sender(str(self.run_dir)),
+                                    hooks=hooks)
             echo.start()
-            drill.start()
-            try:
-                return controller.run()
-            finally:
-                for s, handler in previous.items():
-                    signal.signal(s, handler)
+            return run_with_signals(controller, str(self.run_dir), self.cfg.preemption.schedule)
         finally:
-            drill.stop()
-            if not (hosts and hosts.gone()):  # else the head's address is gone too: a Ray call would hang
+            gone = getattr(hooks, "hosts", None) is not None and hooks.hosts.gone()
+            if not gone:  # else the head's address is gone too: a Ray call would hang
                 pool.close()
-            if watch:
-                watch.close()
-            if hosts:
-                hosts.close()
+            hooks.close()
             echo.stop()
             store.close()
-            if hosts and hosts.gone():
+            if gone:
                 _abandon_ray()
             else:
                 ray.shutdown()
 
-    def _testcluster_duties(self, tc, events: EventLog, since: float, store_port: int):
-        """A Ray node on every test host, and what the controller does on each tick there: record faults,
-        break a round a partition left hanging, end a healed host's stale workers, bring back hosts' Ray nodes."""
+    def _testcluster_hooks(self, tc, events: EventLog, since: float, store_port: int) -> RunHooks:
+        """A Ray node on every test host, and the controller's duties there on every tick (see TestClusterHooks)."""
+        from orchestrator.testcluster.pool import TestClusterHooks
         from orchestrator.testcluster.ray_hosts import RayHosts
         from orchestrator.testcluster.watch import ClusterWatch
 
         hosts = RayHosts(tc, self.ray_address, self.cfg.cluster.cpus_per_node, str(self.run_dir), events)
-        watch = ClusterWatch(tc, str(self.run_dir), self.run_id, events, self.cfg.rendezvous, since=since,
-                             store_port=store_port)
         try:
             hosts.start_all()
         except BaseException:
             hosts.close()
             raise
-
-        def on_tick(agent_pids: dict[int, int], rdzv_id: str) -> Optional[str]:
-            if hosts.gone():
-                return (f"test cluster {tc.name} was taken down during the run (`orch testcluster down`): its hosts, "
-                        "their Ray nodes and the bridge the Ray head listens on are gone")
-            watch.follow(rdzv_id)
-            watch.poll(agent_pids, lambda node: node in agent_pids)
-            hosts.supervise()
-            return None
-
-        return hosts, watch, on_tick
+        watch = ClusterWatch(tc, str(self.run_dir), self.run_id, events, self.cfg.rendezvous, since=since,
+                             store_port=store_port)
+        return TestClusterHooks(watch, hosts)

@@ -7,9 +7,8 @@ import signal
 from pathlib import Path
 
 from orchestrator.errors import UserError
-from orchestrator.report.runlog import EventLog
-
-NODES_FILE = "nodes.json"  # written by launchers: {"<node>": <agent pid>}
+from orchestrator.preemption.notices import deliver_notice, notice_path  # noqa: F401 (notice_path re-exported)
+from orchestrator.rundir import NODES_FILE, EventLog, EventName
 
 
 def node_pids(run_dir: str) -> dict[int, int]:
@@ -23,7 +22,7 @@ def node_pids(run_dir: str) -> dict[int, int]:
 
 def kill_node(run_dir: str, node: int, sig: int = signal.SIGKILL) -> list[int]:
     """Kill simulated node ``node``: its torchrun agent and every worker under it. Logs ``chaos_kill``."""
-    from launchers.processes import kill_tree
+    from orchestrator.processes import kill_tree
 
     pids = node_pids(run_dir)
     if node not in pids:
@@ -35,14 +34,15 @@ def kill_node(run_dir: str, node: int, sig: int = signal.SIGKILL) -> list[int]:
     return killed
 
 
-def notice_path(run_dir: str, node: int, agent_pid: int) -> Path:
-    """The chaos notice file of one agent: a replacement agent for the same node never sees it."""
-    return Path(run_dir) / "notices" / f"node{node}-{agent_pid}.json"
-
-
 def preempt_node(run_dir: str, node: int, grace_s: float = 30.0) -> dict:
-    """Deliver a preemption notice to ``node`` (the chaos source), then kill it after ``grace_s`` seconds if it
-    is still alive. Returns what happened: ``{"node", "left_in_s"}`` or ``{"node", "killed_pids"}``."""
+    """Deliver a preemption notice to ``node`` (the ``chaos`` source: its agent's notice file, see
+    orchestrator/preemption/notices.py), then kill it after ``grace_s`` seconds if it is still alive, as a
+    cloud takes the machine at its deadline. Returns what happened: ``{"node", "left_in_s"}`` or
+    ``{"node", "killed_pids"}``.
+
+    The notice is kept for the agent's life: workers training now see it within a poll interval, and workers
+    that torchrun starts later (a notice that came between two rounds) read it at start-up and act on it at
+    their first step boundary, all within the same grace."""
     import time
 
     import psutil
@@ -51,13 +51,9 @@ def preempt_node(run_dir: str, node: int, grace_s: float = 30.0) -> dict:
     if pid is None or not psutil.pid_exists(pid):
         raise UserError(f"--node {node}: run dir {run_dir!r} has no live agent for it. Fix: pick a live node "
                         f"(nodes.json lists {sorted(node_pids(run_dir))})")
-    path = notice_path(run_dir, node, pid)
-    path.parent.mkdir(exist_ok=True)
     t0 = time.time()
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"t": t0, "grace_s": grace_s, "node": node, "agent_pid": pid}))
-    tmp.rename(path)  # whole or absent: pollers never read half a notice
-    EventLog(run_dir).emit("chaos_preempt", node=node, grace_s=grace_s, agent_pid=pid)
+    deliver_notice(run_dir, node, pid, grace_s, source="chaos", detail=f"orch chaos preempt (grace {grace_s} s)")
+    EventLog(run_dir).emit(EventName.CHAOS_PREEMPT, node=node, grace_s=grace_s, agent_pid=pid)
     proc = psutil.Process(pid)
     try:
         proc.wait(timeout=grace_s)

@@ -35,7 +35,7 @@ def start_orch(*args: str, log: Path, env: Optional[dict[str, str]] = None, cwd:
 
 def stop_tree(pid: int) -> None:
     """End ``pid`` and every descendant (agents, workers), by PID."""
-    from launchers.processes import terminate_tree
+    from orchestrator.processes import terminate_tree
 
     terminate_tree(pid, grace_s=5)
 

@@ -99,7 +99,7 @@ def test_killing_a_simulated_node_leaves_store_and_survivor_alive(tmp_path):
     try:
         wait_for(lambda: any(m["step"] >= 10 for m in read_jsonl(run_dir / "metrics.jsonl")), 90, "step 10")
         nodes = json.loads((run_dir / "nodes.json").read_text())
-        from launchers.processes import kill_tree
+        from orchestrator.processes import kill_tree
 
         killed = kill_tree(nodes["1"])
         assert len(killed) >= 2, "the agent and its worker"

@@ -24,7 +24,7 @@ def events_of(run_dir: Path, name: str) -> list[dict]:
 
 def stop_run(proc, run_dir: Path) -> None:
     """End orch's process tree, then any node agent that outlived it (on cluster nodes they are not its children)."""
-    from launchers.processes import kill_tree
+    from orchestrator.processes import kill_tree
 
     stop_tree(proc.pid)
     for joined in events_of(run_dir, "node_joined"):
@@ -148,7 +148,7 @@ def test_user_code_failure_exhausts_max_failures_and_names_the_rank(cluster, tmp
         assert "ValueError: deliberate bug in user code" in error
     finally:
         for joined in events_of(run_dir, "node_joined"):
-            from launchers.processes import kill_tree
+            from orchestrator.processes import kill_tree
 
             kill_tree(joined["pid"])
     s = summary(run_dir)

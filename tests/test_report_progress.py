@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from orchestrator.report.progress import JsonlTail, ProgressState, RunProgress, use_live_display
-from orchestrator.report.runlog import append_jsonl
+from orchestrator.rundir import JsonlTail
+from orchestrator.report.progress import ProgressState, RunProgress, use_live_display
+from orchestrator.rundir import append_jsonl
 
 pytestmark = pytest.mark.timeout(30)
 

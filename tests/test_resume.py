@@ -8,7 +8,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from launchers.processes import kill_tree
+from orchestrator.processes import kill_tree
 from orchestrator.checkpoint import CheckpointManager
 from orchproc import read_jsonl, run_orch, start_orch, stop_tree, summary, wait_for
 

@@ -179,7 +179,7 @@ def test_a_cut_off_node_whose_agent_gave_up_gets_a_fresh_agent_once_healed(testc
     failed), and its node is handed back for a fresh agent only once its link is up again."""
     from orchestrator.config.schema import RendezvousConfig
     from orchestrator.rendezvous import RendezvousStore
-    from orchestrator.report.runlog import EventLog
+    from orchestrator.rundir import EventLog
     from orchestrator.testcluster.watch import ClusterWatch
 
     store = RendezvousStore(testcluster.store_address)

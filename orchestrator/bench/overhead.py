@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from orchestrator.config.compose import compose_config
-from orchestrator.report.runlog import EVENTS_FILE, METRICS_FILE, read_jsonl
+from orchestrator.rundir import EVENTS_FILE, METRICS_FILE, read_jsonl
 
 PRESET = "cpu_gloo"
 SHAPE = ("cluster.nnodes=1", "cluster.nproc_per_node=2")  # one torchrun agent with 2 workers, like the plain run

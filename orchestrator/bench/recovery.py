@@ -25,10 +25,11 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from launchers.processes import NodeProcess, terminate_tree
-from orchestrator.chaos import NODES_FILE, kill_node
+from orchestrator.processes import NodeProcess, terminate_tree
+from orchestrator.chaos import kill_node
+from orchestrator.rundir import NODES_FILE
 from orchestrator.errors import OrchError
-from orchestrator.report.runlog import METRICS_FILE, read_jsonl
+from orchestrator.rundir import METRICS_FILE, read_jsonl
 from orchestrator.report.summary import build_summary
 
 PRESET = "cpu_elastic"

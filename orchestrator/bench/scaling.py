@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from orchestrator.errors import UserError
 from orchestrator.report import efficiency as eff
-from orchestrator.report.runlog import METRICS_FILE, read_jsonl
+from orchestrator.rundir import METRICS_FILE, read_jsonl
 
 # Short runs without periodic checkpoints; the user's overrides come after these, so they win.
 # The local launcher: simulated nodes on this machine, no Ray start-up in every short run (overridable).

@@ -1,35 +1,33 @@
-"""The controller acts: it starts and stops node agents through a NodePool, on what the failure and scaling
-policies decide, and records every event in the run dir.
+"""The controller acts: it starts and stops node agents through a NodePool, on what the failure, scaling and
+standby policies decide, and records every event in the run dir. Every launcher runs this one loop (torch
+elastic's ``SimpleElasticAgent`` shape: one loop; a pool fills in start, stop and poll).
 
-It runs in the driver process next to the rendezvous store (``orchestrator.rendezvous``), so losing any worker
-node never loses rendezvous: torchrun agents on the surviving nodes re-rendezvous by themselves, and the
-controller's part is to account for it (node_lost, recovered with its MTTR), to bring agents to nodes that
-become available, and to stop a run whose budgets are spent.
+It runs next to the rendezvous store (``orchestrator.rendezvous``), so losing any worker node never loses
+rendezvous: torchrun agents on the surviving nodes re-rendezvous by themselves, and the controller's part is
+to account for it (node_lost, recovered with its MTTR), to take a departed agent out of the round at once, to
+bring agents to machines that become available, and to stop a run whose budgets are spent.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from orchestrator.chaos import NODES_FILE  # {"<node>": <torchrun agent pid>}, read by `orch chaos kill-node`
 from orchestrator.config.schema import OrchConfig
-from orchestrator.controller.api import AgentExit, AgentSpec, AgentStarted, NodePool
-from orchestrator.controller.failure_policy import (FAIL, FAILED, FINISHED, LOST, PREEMPTED, RESTART, STOPPED,
-                                                    classify, decide)
+from orchestrator.controller.api import (AgentExit, AgentSpec, AgentStarted, Clock, ExitKind, NodePool, RunHooks,
+                                         RunStatus)
+from orchestrator.controller.failure_policy import FailureAction, classify, decide, failure_signature, same_failure
 from orchestrator.controller.scaling_policy import ScalingDecision, ScalingPolicy
-from orchestrator.controller.states import Failed, Finished, Scheduling, State, Stopping
+from orchestrator.controller.standby_policy import standbys_to_boot
+from orchestrator.controller.states import (RECOVERING, RUNNING, SCHEDULING, State, StateName, failed, finished,
+                                            stopping)
 from orchestrator.plan.plan import LaunchPlan
-from orchestrator.report.runlog import EventLog
+from orchestrator.rundir import LOGS_DIR, NODES_FILE, EventLog, EventName, write_json_atomic
 
-EXIT_EVENTS = {FINISHED: "node_finished", STOPPED: "node_stopped", PREEMPTED: "node_preempted", LOST: "node_lost",
-               FAILED: "node_failed"}
 FORWARDED_ENV = ("PYTHONPATH",)  # the entrypoint must import on every node as it does here
 POLL_S = 0.2
 SCALE_INTERVAL_S = 1.0
@@ -42,58 +40,44 @@ EXIT_BARRIER_GRACE_S = 10.0  # training done, yet an agent waits in torchrun's e
 class Agent:
     """One node agent as the controller tracks it, from the start request to its exit."""
 
+    agent_id: int
     node: int
     node_id: str
     requested_t: float
     requested_mono: float
+    log_offset: int = 0
     pid: Optional[int] = None
     ip: Optional[str] = None
     stopping: bool = False
-
-
-class _EventTail:
-    """New complete lines of events.jsonl since the last read (workers and chaos drills write there too)."""
-
-    def __init__(self, path: Path):
-        self.path, self._offset, self._partial = path, path.stat().st_size if path.exists() else 0, b""
-
-    def read(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        with self.path.open("rb") as f:
-            f.seek(self._offset)
-            data = f.read()
-        self._offset += len(data)
-        lines = (self._partial + data).split(b"\n")
-        self._partial = lines.pop()
-        return [event for event in map(_parse, lines) if event is not None]
-
-
-def _parse(line: bytes) -> Optional[dict[str, Any]]:
-    try:
-        return json.loads(line) if line.strip() else None
-    except json.JSONDecodeError:
-        return None  # a line torn by a crashed writer: read_jsonl skips it too
+    standby: bool = False
 
 
 class Controller:
-    """Runs one launch through its states until it is finished or failed; ``run()`` returns the status."""
+    """Runs one launch through its states until it is finished or failed; ``run()`` returns the status.
+
+    ``nodes``: the node indexes this controller plays (default: every node of the plan; a Kubernetes pod plays
+    one). ``evict(rdzv_id, agent_pid)``: the store host's eviction of a departed agent (None when the store is
+    elsewhere). ``notify(node, agent_pid, grace_s)``: tells a node's workers that the SIGTERM coming is a real
+    preemption notice (not torchrun restarting them)."""
 
     def __init__(self, cfg: OrchConfig, plan: LaunchPlan, pool: NodePool, events: EventLog,
-                 evict: Optional[Callable[[str, int], bool]] = None,
-                 on_tick: Optional[Callable[[dict[int, int], str], Optional[str]]] = None):
+                 nodes: Optional[list[int]] = None, evict: Optional[Callable[[str, int], Any]] = None,
+                 notify: Optional[Callable[[int, int, float], None]] = None, hooks: Optional[RunHooks] = None,
+                 clock: Optional[Clock] = None, pod: bool = False):
         self.cfg, self.plan, self.pool, self.events = cfg, plan, pool, events
-        self.evict = evict  # RendezvousStore.evict: drop a departed agent from the round at once
-        # Side duties every poll, given {node: torchrun pid} and the rendezvous id (test clusters: fault events,
-        # partitioned rounds, the hosts' Ray nodes); a returned reason fails the run at once.
-        self.on_tick = on_tick
-        # Test clusters: node i runs on the Ray node whose IP is host i's address, with host i's settings.
+        self.evict, self.notify, self.hooks, self.clock = evict, notify, hooks or RunHooks(), clock or Clock()
+        self.pod = pod  # one node of a multi-pod job: rank 0 may train elsewhere
+        self.node_indexes = sorted(nodes if nodes is not None else range(cfg.cluster.max_nodes))
+        # Test clusters: node i runs on the machine whose IP is host i's address.
         self.hosted = {p.address: p.node for p in plan.nodes if p.address}
-        self._node_ips: dict[str, str] = {}
         self.run_dir = Path(plan.run_dir)
-        self.min_nodes = cfg.cluster.min_nodes
-        self.scaling = ScalingPolicy(cfg.cluster.min_nodes, cfg.cluster.max_nodes, cfg.failure.wait_for_nodes_s)
-        self.agents: dict[int, Agent] = {}
+        self.min_nodes = min(cfg.cluster.min_nodes, len(self.node_indexes))
+        self.scaling = ScalingPolicy(self.min_nodes, len(self.node_indexes), cfg.failure.wait_for_nodes_s)
+        self.agents: dict[int, Agent] = {}  # node -> its current agent
+        self.standbys: dict[int, Agent] = {}  # node -> a replacement booted on a notice, not yet playing
+        self._by_id: dict[int, Agent] = {}
+        self._next_id = 0
+        self._ever_started: set[int] = set()
         self.exit_codes: dict[int, Optional[int]] = {}
         self.attempt = self.failures = self.preemptions = 0
         self.loss_t: Optional[float] = None  # wall time of the earliest loss not yet recovered from
@@ -101,36 +85,87 @@ class Controller:
         self.any_finished = False
         self.signal: Optional[int] = None
         self._signal_handled = False
-        self._tail = _EventTail(events.path)
+        self._tail = events.tail()
         self._first_steps: list[dict[str, Any]] = []
         self._notices: list[dict[str, Any]] = []
+        self._worker_failures: list[dict[str, Any]] = []
+        self._notices_acted_on: set[tuple[Any, float]] = set()  # (node, t) of notices a standby was booted for
+        self._attempt_t = self.clock.time()
+        self._previous_failure: Optional[str] = None
+        self._replace: set[int] = set()  # preempted nodes to replace without waiting for recovery
         self._below_min_since: Optional[float] = None
         self._next_scale = 0.0
         self._stop_deadline = 0.0
         self._lingering_stopped = False
-        self.state: State = Scheduling()
+        self.state: State = SCHEDULING
 
     # -- the loop ---------------------------------------------------------------------------------------------
 
-    def run(self) -> str:
-        while not self.state.terminal:
+    def run(self) -> RunStatus:
+        while not self.state.is_terminal:
             self._step()
-        reason = getattr(self.state, "reason", None)
-        self.events.emit("run_finished", status=self.state.status, attempts=self.attempt + 1,
+        self.events.emit(EventName.RUN_FINISHED, status=self.state.status, attempts=self.attempt + 1,
                          node_exit_codes={str(n): rc for n, rc in sorted(self.exit_codes.items())},
-                         **({"reason": reason} if reason else {}))
+                         **({"reason": self.state.reason} if self.state.reason else {}))
         return self.state.status
 
     def _step(self) -> tuple[State, State]:
         previous = self.state
-        self.state = previous.step(self)
-        if self.state is not previous:
-            self.events.emit("controller_state", previous=previous.name, state=self.state.name, attempt=self.attempt)
+        handler = {StateName.SCHEDULING: self._schedule, StateName.RUNNING: self._active,
+                   StateName.RECOVERING: self._active, StateName.STOPPING: self._stopping}[previous.name]
+        self.state = handler(previous)
+        if self.state.name != previous.name:
+            self.events.emit(EventName.CONTROLLER_STATE, previous=previous.name, state=self.state.name,
+                             attempt=self.attempt)
         return previous, self.state
 
     def request_stop(self, signum: int) -> None:
         """From a signal handler: SIGTERM forwards a preemption notice to every node, SIGINT stops them."""
         self.signal = signum
+
+    # -- the states -------------------------------------------------------------------------------------------
+
+    def _schedule(self, state: State) -> State:
+        nxt = self._handle_signal() or self._handle_updates()
+        if nxt:
+            return nxt
+        decision = self._scale(grow=True)
+        if decision.fail_reason:
+            return self._stop_all_then(failed(decision.fail_reason))
+        return RUNNING if self._started_agents() >= self.min_nodes else state
+
+    def _active(self, state: State) -> State:
+        """Running and recovering: record agent exits, finish when training has, keep nodes coming (growth
+        toward MAX waits while a loss is not recovered from; getting back to MIN never waits)."""
+        nxt = self._handle_signal() or self._handle_updates()
+        if nxt:
+            return nxt
+        if self._all_done():
+            return self._conclude()
+        if self.training_finished is not None:
+            self._stop_lingering_agents()
+            return state
+        self._boot_standbys()
+        decision = self._scale(grow=self.loss_t is None or bool(self._replace))
+        if decision.fail_reason:
+            return self._stop_all_then(failed(decision.fail_reason))
+        if state.name == StateName.RUNNING:
+            return RECOVERING if self.loss_t is not None else state
+        return RUNNING if self._check_recovered() else state
+
+    def _stopping(self, state: State) -> State:
+        self._handle_updates()
+        if self._by_id and self.clock.monotonic() > self._stop_deadline:
+            self.events.emit(EventName.AGENTS_UNRESPONSIVE, nodes=sorted({a.node for a in self._by_id.values()}))
+            self._by_id.clear()
+            self.agents.clear()
+            self.standbys.clear()
+        if self._by_id:
+            return state
+        then = state.then
+        if then.status == RunStatus.PREEMPTED and self.training_finished is not None:
+            return finished(RunStatus.SUCCEEDED)  # the notice came after the last step: nothing was cut short
+        return then
 
     # -- what the states ask ----------------------------------------------------------------------------------
 
@@ -139,43 +174,42 @@ class Controller:
         """A fresh rendezvous id for every restart of all nodes (a failed agent closed the previous one)."""
         return self.plan.run_id if self.attempt == 0 else f"{self.plan.run_id}-{self.attempt}"
 
-    def started_agents(self) -> int:
+    def _started_agents(self) -> int:
         return sum(1 for a in self.agents.values() if a.pid is not None and not a.stopping)
 
-    def all_done(self) -> bool:
-        return not self.agents and bool(self.training_finished or self.any_finished)
+    def _all_done(self) -> bool:
+        return not self._by_id and bool(self.training_finished is not None or self.any_finished)
 
-    def conclude(self) -> State:
-        if self.cfg.entrypoint.builtin and not self.training_finished:
-            return Failed("every node agent exited but training did not finish (see logs/node*.log)")
-        return Finished("succeeded")
+    def _conclude(self) -> State:
+        if self.cfg.entrypoint.builtin and self.training_finished is None and not self.pod:
+            return failed("every node agent exited but training did not finish (see logs/node*.log)")
+        return finished(RunStatus.SUCCEEDED)
 
-    def stopped_or_timed_out(self) -> bool:
-        if self.agents and time.monotonic() > self._stop_deadline:
-            self.events.emit("agents_unresponsive", nodes=sorted(self.agents))
-            self.agents.clear()
-        return not self.agents
-
-    def handle_signal(self) -> Optional[State]:
+    def _handle_signal(self) -> Optional[State]:
         if self.signal is None or self._signal_handled:
             return None
         self._signal_handled = True
         if self.signal == signal.SIGTERM:
             grace = self.cfg.preemption.grace_period_s
-            self.events.emit("preemption_notice_forwarded", reason="orch got SIGTERM", grace_period_s=grace)
-            return self.stop_all_then(Finished("preempted"), grace_s=grace, agent_only=True)
-        self.events.emit("interrupted", reason=f"orch got {signal.Signals(self.signal).name}")
-        return self.stop_all_then(Finished("interrupted"))
+            self.events.emit(EventName.PREEMPTION_NOTICE_FORWARDED, reason="orch got SIGTERM", grace_period_s=grace)
+            if self.notify:
+                for agent in self.agents.values():
+                    if agent.pid is not None and not agent.stopping:
+                        self.notify(agent.node, agent.pid, grace)
+            return self._stop_all_then(finished(RunStatus.PREEMPTED), grace_s=grace, agent_only=True)
+        self.events.emit(EventName.INTERRUPTED, reason=f"orch got {signal.Signals(self.signal).name}")
+        return self._stop_all_then(finished(RunStatus.INTERRUPTED))
 
-    def handle_updates(self) -> Optional[State]:
+    def _handle_updates(self) -> Optional[State]:
         """Read new events, then agent starts and exits; returns the next state if an exit calls for one."""
         self._read_events()
-        if self.on_tick:
-            fatal = self.on_tick({n: a.pid for n, a in self.agents.items() if a.pid is not None and not a.stopping},
-                                 self.rdzv_id)
-            if fatal:  # the machines themselves are gone: nothing is left to stop through Ray
-                self.agents.clear()
-                return Failed(fatal)
+        running = {n: a.pid for n, a in self.agents.items() if a.pid is not None and not a.stopping}
+        fatal = self.hooks.on_tick(running, self.rdzv_id)
+        if fatal:  # the machines themselves are gone: nothing is left to stop
+            self._by_id.clear()
+            self.agents.clear()
+            self.standbys.clear()
+            return failed(fatal)
         nxt: Optional[State] = None
         for update in self.pool.poll(POLL_S):
             if isinstance(update, AgentStarted):
@@ -184,9 +218,9 @@ class Controller:
                 nxt = self._on_exit(update) or nxt
         return nxt
 
-    def scale(self, grow: bool) -> ScalingDecision:
+    def _scale(self, grow: bool) -> ScalingDecision:
         """Ask the scaling policy (once a second) and start the agents it places."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if len(self.agents) < self.min_nodes:
             self._below_min_since = self._below_min_since or now
         else:
@@ -195,139 +229,264 @@ class Controller:
             return ScalingDecision()
         self._next_scale = now + SCALE_INTERVAL_S
         self._drop_unplaceable(now)
-        nodes = self.pool.nodes()
-        self._node_ips = {n.node_id: n.ip for n in nodes}
-        decision = self.scaling.decide(nodes, Counter(a.node_id for a in self.agents.values()), grow,
-                                       now - self._below_min_since if self._below_min_since else 0.0)
+        machines = self.pool.nodes()
+        ips = {m.node_id: m.ip for m in machines}
+        decision = self.scaling.decide(machines, Counter(a.node_id for a in self.agents.values()), grow,
+                                       now - self._below_min_since if self._below_min_since else 0.0,
+                                       Counter(a.node_id for a in self.standbys.values()))
         for node_id in decision.start_on:
-            self._start_agent(node_id)
+            self._start_agent(node_id, ips.get(node_id, ""))
         return decision
 
-    def check_recovered(self) -> bool:
+    def _check_recovered(self) -> bool:
         """After a loss: has a training step completed since? Then record ``recovered`` with the MTTR."""
         if self.loss_t is None:
             return True
         step = next((e for e in self._first_steps if e["t"] >= self.loss_t), None)
         if step is None:
             return False
-        self.events.emit("recovered", step_t=step["t"], lost_t=self.loss_t, mttr_s=round(step["t"] - self.loss_t, 3),
-                         step=step.get("step"), world_size=step.get("world_size"))
+        self.events.emit(EventName.RECOVERED, step_t=step["t"], lost_t=self.loss_t,
+                         mttr_s=round(step["t"] - self.loss_t, 3), step=step.get("step"),
+                         world_size=step.get("world_size"))
         self.loss_t = None
         return True
 
-    def stop_lingering_agents(self) -> None:
-        if (not self._lingering_stopped and self.agents
-                and time.monotonic() - self.training_finished > EXIT_BARRIER_GRACE_S):
+    def _stop_lingering_agents(self) -> None:
+        if (not self._lingering_stopped and self._by_id
+                and self.clock.monotonic() - self.training_finished > EXIT_BARRIER_GRACE_S):
+            # torchrun's exit barrier waits 300 s (not configurable) for a peer that left after the last step.
             self._lingering_stopped = True
-            self.events.emit("agents_stopped", reason="training finished; agents still waiting on departed peers")
+            self.events.emit(EventName.AGENTS_STOPPED, reason="training finished; agents still waiting on departed peers")
             self._stop_all(STOP_GRACE_S, agent_only=False)
 
-    def stop_all_then(self, then: State, grace_s: float = STOP_GRACE_S, agent_only: bool = False) -> State:
+    def _stop_all_then(self, then: State, grace_s: float = STOP_GRACE_S, agent_only: bool = False) -> State:
         self._stop_all(grace_s, agent_only)
-        return Stopping(then)
+        return stopping(then)
 
     def _stop_all(self, grace_s: float, agent_only: bool) -> None:
-        for agent in self.agents.values():
+        for agent in self._by_id.values():
             if not agent.stopping:
                 agent.stopping = True
-                self.pool.stop(agent.node, grace_s, agent_only)
-        self._stop_deadline = time.monotonic() + grace_s + STOP_TIMEOUT_S
+                self.pool.stop(agent.agent_id, grace_s, agent_only and not agent.standby)
+        self._stop_deadline = self.clock.monotonic() + grace_s + STOP_TIMEOUT_S
 
     # -- acting on agents -------------------------------------------------------------------------------------
 
-    def _start_agent(self, node_id: str) -> None:
-        if self.hosted:
-            index = self.hosted.get(self._node_ips.get(node_id, ""))
-            if index is None or index in self.agents:
+    def _start_agent(self, node_id: str, ip: str, standby_for: Optional[int] = None) -> None:
+        if standby_for is not None:
+            index = standby_for
+        elif self.hosted:
+            index = self.hosted.get(ip)
+            if index is None or index in self.agents or index not in self.node_indexes:
                 return  # not a test host of this run, or its previous agent is still leaving
         else:
-            index = min(set(range(self.cfg.cluster.max_nodes)) - set(self.agents))
+            free = sorted(set(self.node_indexes) - set(self.agents))
+            if not free:
+                return
+            index = free[0]
         plan = self.plan.nodes[index]
         argv = tuple(f"--rdzv-id={self.rdzv_id}" if a.startswith("--rdzv-id=") else a for a in plan.argv)
         env = {**{k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}, **plan.env}
-        self.agents[index] = Agent(index, node_id, time.time(), time.monotonic())
-        self.pool.start(AgentSpec(index, argv, env, str(self.run_dir / "logs" / f"node{index}.log"), os.getcwd()),
-                        node_id)
+        log_path = self.run_dir / LOGS_DIR / f"node{index}.log"
+        agent = Agent(self._next_id, index, node_id, self.clock.time(), self.clock.monotonic(),
+                      log_offset=log_path.stat().st_size if log_path.exists() else 0, standby=standby_for is not None)
+        self._next_id += 1
+        self._by_id[agent.agent_id] = agent
+        if agent.standby:
+            self.standbys[index] = agent
+        else:
+            self.agents[index] = agent
+            self._replace.discard(index)
+        self.pool.start(AgentSpec(agent.agent_id, index, argv, env, str(log_path), os.getcwd()), node_id)
+
+    def _boot_standbys(self) -> None:
+        """On a notice, boot the node's replacement now, where a machine has a free slot (see standby_policy)."""
+        if not self.cfg.preemption.replace_nodes or not self._notices:
+            return
+        fresh = [e for e in self._notices if (e.get("node"), e["t"]) not in self._notices_acted_on]
+        boot = standbys_to_boot(fresh, {n: a.requested_t for n, a in self.agents.items() if not a.stopping},
+                                set(self.standbys))
+        self._notices_acted_on.update((e.get("node"), e["t"]) for e in fresh if e.get("node") in boot)
+        if not boot:
+            return
+        used = Counter(a.node_id for a in self._by_id.values())
+        for node in boot:
+            current = self.agents[node]
+            # A test-cluster node runs on its own host only; elsewhere any machine with a free slot will do.
+            machines = [m for m in self.pool.nodes() if m.slots > used[m.node_id]
+                        and (not self.hosted or self.hosted.get(m.ip) == node)]
+            if not machines:
+                continue  # no room: the replacement starts when the node has left
+            machine = min(machines, key=lambda m: (used[m.node_id], m.node_id != current.node_id, m.node_id))
+            used[machine.node_id] += 1
+            self._start_agent(machine.node_id, machine.ip, standby_for=node)
 
     def _drop_unplaceable(self, now: float) -> None:
-        """An agent Ray could not place within wait_for_nodes_s (its resources taken) gives its slot back."""
-        for agent in self.agents.values():
+        """An agent the pool could not place within wait_for_nodes_s (its resources taken) gives its slot back."""
+        for agent in self._by_id.values():
             if agent.pid is None and not agent.stopping and now - agent.requested_mono > self.cfg.failure.wait_for_nodes_s:
-                self.events.emit("node_unplaceable", node=agent.node, ray_node=agent.node_id)
+                self.events.emit(EventName.NODE_UNPLACEABLE, node=agent.node, ray_node=agent.node_id)
                 agent.stopping = True
-                self.pool.stop(agent.node, 0.0)
+                self.pool.stop(agent.agent_id, 0.0)
 
     def _on_started(self, started: AgentStarted) -> None:
-        agent = self.agents.get(started.node)
+        agent = self._by_id.get(started.agent_id)
         if agent is None:
             return
         agent.pid, agent.ip = started.pid, started.ip
-        self.events.emit("node_joined", node=started.node, pid=started.pid, ip=started.ip, ray_node=started.node_id,
+        if agent.standby:
+            self.events.emit(EventName.NODE_STANDBY_STARTED, node=started.node, pid=started.pid, ip=started.ip,
+                             ray_node=started.node_id)
+        else:
+            self._announce(agent)
+        if agent.stopping:  # told to stop while it was starting
+            self.pool.stop(agent.agent_id, STOP_GRACE_S)
+
+    def _announce(self, agent: Agent, standby: bool = False) -> None:
+        """``node_started`` and ``node_joined``: the agent plays its node from now on."""
+        replacement = agent.node in self._ever_started
+        self._ever_started.add(agent.node)
+        self.events.emit(EventName.NODE_STARTED, node=agent.node, pid=agent.pid, replacement=replacement,
+                         **({"standby": True} if standby else {}))
+        self.events.emit(EventName.NODE_JOINED, node=agent.node, pid=agent.pid, ip=agent.ip, ray_node=agent.node_id,
                          attempt=self.attempt, rdzv_id=self.rdzv_id)
         self._write_nodes()
-        if agent.stopping:  # told to stop while it was starting
-            self.pool.stop(started.node, STOP_GRACE_S)
 
     def _on_exit(self, exit: AgentExit) -> Optional[State]:
-        agent = self.agents.pop(exit.node, None)
+        agent = self._by_id.pop(exit.agent_id, None)
         if agent is None:
             return None
+        if agent.standby:
+            if self.standbys.get(agent.node) is agent:
+                del self.standbys[agent.node]
+            self.events.emit(EventName.NODE_STOPPED, node=exit.node, exit_code=exit.exit_code, standby=True,
+                             reason=f"standby for node {exit.node} ended before it played ({exit.detail or exit.exit_code})")
+            return None
+        del self.agents[agent.node]
         if agent.pid is None and exit.actor_died and not agent.stopping:
-            # Placed on a Ray node that died before the agent started (Ray still listed it as alive): nothing of
-            # the job ran there, so nothing is lost and nothing to recover; the slot is free for a live node.
-            self.events.emit("node_start_failed", node=exit.node, ray_node=agent.node_id, reason=exit.detail)
+            # Placed on a machine that died before the agent started (the cluster still listed it as alive):
+            # nothing of the job ran there, so nothing is lost and nothing to recover; the slot is free again.
+            self.events.emit(EventName.NODE_START_FAILED, node=exit.node, ray_node=agent.node_id, reason=exit.detail)
             return None
         self.exit_codes[exit.node] = exit.exit_code
-        verdict = classify(exit, agent.stopping, self._noticed(exit.node, since=agent.requested_t))
-        self.events.emit(EXIT_EVENTS[verdict.kind], node=exit.node, exit_code=exit.exit_code, reason=verdict.reason,
+        noticed = self._noticed(exit.node, since=agent.requested_t)
+        explained = None if noticed or agent.stopping else self.hooks.explain_exit(exit.node, exit.exit_code,
+                                                                                   agent.requested_t)
+        verdict = classify(exit, agent.stopping, noticed, self.training_finished is not None, explained)
+        self.events.emit(verdict.kind.event, node=exit.node, exit_code=exit.exit_code, reason=verdict.reason,
                          attempt=self.attempt)
+        self._promote_standby(exit.node)
         self._write_nodes()
-        if self.training_finished and verdict.kind in (FAILED, LOST, PREEMPTED):
+        if self.training_finished is not None and verdict.kind in (ExitKind.FAILED, ExitKind.LOST, ExitKind.PREEMPTED):
             return None  # training is done: nothing is left to recover or to retry
-        if verdict.kind == FINISHED:
-            self.any_finished = self.any_finished or not agent.stopping
-        elif verdict.kind in (LOST, PREEMPTED):
-            if self.evict and agent.pid is not None and self.evict(self.rdzv_id, agent.pid):
-                self.events.emit("rendezvous_evicted", node=exit.node, agent_pid=agent.pid)
+        if agent.stopping:
+            return None  # the controller stopped it: a restart, a signal or the end, already decided
+        repeated = None
+        if verdict.kind == ExitKind.FINISHED:
+            self.any_finished = True
+        elif verdict.kind in (ExitKind.LOST, ExitKind.PREEMPTED):
+            self._evict(agent)
             self.preemptions += 1
-            self._note_loss(time.time())
-        elif verdict.kind == FAILED:
+            self._note_loss(self.clock.time())
+            if verdict.kind == ExitKind.PREEMPTED and self.cfg.preemption.replace_nodes and exit.node not in self.agents:
+                self._replace.add(exit.node)
+        elif verdict.kind == ExitKind.FAILED:
             self.failures += 1
-        decision = decide(verdict, self.cfg.failure, self.failures, self.preemptions)
-        if decision.action == FAIL:
-            return self.stop_all_then(Failed(decision.reason))
-        if decision.action == RESTART:
-            self.events.emit("restart", reason=decision.reason, scope="every node", attempt=self.attempt + 1)
+            signature = failure_signature(self._attempt_failures(), self.run_dir / LOGS_DIR / f"node{exit.node}.log",
+                                          agent.log_offset)
+            repeated = signature if same_failure(signature, self._previous_failure) else None
+            self._previous_failure = signature
+        decision = decide(verdict, self.cfg.failure, self.failures, self.preemptions, repeated)
+        if decision.action == FailureAction.FAIL:
+            if repeated and self.failures <= self.cfg.failure.max_failures:
+                self.events.emit(EventName.RUN_STOPPED_DETERMINISTIC, node=exit.node, failure=repeated,
+                                 attempts=self.attempt + 1)
+            return self._stop_all_then(failed(decision.reason))
+        if decision.action == FailureAction.RESTART:
+            self.events.emit(EventName.RESTART, reason=decision.reason, scope="every node", attempt=self.attempt + 1)
             self.attempt += 1
+            self._attempt_t = self.clock.time()
             self.loss_t = None
-            return self.stop_all_then(Scheduling())
+            self._replace.clear()
+            return self._stop_all_then(SCHEDULING)
         return None
+
+    def _promote_standby(self, node: int) -> None:
+        standby = self.standbys.pop(node, None)
+        if standby is None:
+            return
+        standby.standby = False
+        self.agents[node] = standby
+        if standby.pid is not None:
+            self._announce(standby, standby=True)
+
+    def _evict(self, agent: Agent) -> None:
+        """The survivors' next round need not wait for the departed agent's keep-alive to expire."""
+        if self.evict is None or agent.pid is None:
+            return
+        result = self.evict(self.rdzv_id, agent.pid)
+        if result:
+            self.events.emit(EventName.RENDEZVOUS_EVICTED, node=agent.node, agent_pid=agent.pid)
+            if getattr(result, "reopened", False):
+                self.events.emit(EventName.RENDEZVOUS_REOPENED, node=agent.node, round=getattr(result, "round", None),
+                                 reason="a member of a complete round left: its survivors re-rendezvous now instead "
+                                        "of waiting for it in process-group init")
 
     # -- what the run dir says --------------------------------------------------------------------------------
 
     def _read_events(self) -> None:
-        for e in self._tail.read():
+        for e in self._tail.read_new():
             kind = e.get("event")
-            if kind == "chaos_kill":
+            if kind == EventName.CHAOS_KILL:
                 self._note_loss(e["t"])
-            elif kind == "training_finished" and self.training_finished is None:
-                self.training_finished = time.monotonic()
-            elif kind == "preemption_notice":
+            elif kind == EventName.TRAINING_FINISHED and self.training_finished is None:
+                self.training_finished = self.clock.monotonic()
+            elif kind == EventName.PREEMPTION_NOTICE:
                 self._notices.append(e)
-            elif kind == "first_step":
+            elif kind == EventName.FIRST_STEP:
                 self._first_steps = [*self._first_steps[-9:], e]
+            elif kind == EventName.WORKER_FAILED:
+                self._worker_failures = [*self._worker_failures[-63:], e]
+
+    def _attempt_failures(self) -> list[dict[str, Any]]:
+        return [e for e in self._worker_failures if e["t"] >= self._attempt_t]
 
     def _note_loss(self, t: float) -> None:
         self.loss_t = t if self.loss_t is None else min(self.loss_t, t)
 
     def _noticed(self, node: int, since: float) -> bool:
-        """A preemption notice for ``node`` since its agent started and within the grace period: torchrun's own
-        SIGTERM to workers it restarts reads as a notice too, and must not excuse a failure much later."""
-        recent = time.time() - self.cfg.preemption.grace_period_s - STOP_GRACE_S
+        """A preemption notice for ``node`` since its agent started and within the grace period."""
+        recent = self.clock.time() - self.cfg.preemption.grace_period_s - STOP_GRACE_S
         return any(e.get("node") == node and e["t"] >= max(since, recent) for e in self._notices)
 
     def _write_nodes(self) -> None:
-        pids = {str(n): a.pid for n, a in sorted(self.agents.items()) if a.pid is not None}
-        tmp = self.run_dir / f".{NODES_FILE}.tmp"
-        tmp.write_text(json.dumps(pids) + "\n")
-        tmp.replace(self.run_dir / NODES_FILE)
+        write_json_atomic(self.run_dir / NODES_FILE,
+                          {str(n): a.pid for n, a in sorted(self.agents.items()) if a.pid is not None})
+
+
+def run_with_signals(controller: Controller, run_dir: str, schedule) -> RunStatus:
+    """Run ``controller`` with SIGINT/SIGTERM routed to it (SIGTERM: a preemption notice to every node) and
+    ``preemption.schedule`` drills going, restoring the previous handlers afterwards."""
+    from orchestrator.chaos import PreemptionDrill
+
+    drill = PreemptionDrill(run_dir, schedule)
+    previous = {s: signal.signal(s, lambda signum, _: controller.request_stop(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    drill.start()
+    try:
+        return controller.run()
+    finally:
+        drill.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def notice_sender(run_dir: str) -> Callable[[int, int, float], None]:
+    """``Controller.notify`` for launches whose run dir the workers read: a notice file per agent, written
+    before the SIGTERM, tells its workers that this SIGTERM is a real notice."""
+    from orchestrator.preemption.notices import deliver_notice
+
+    def notify(node: int, agent_pid: int, grace_s: float) -> None:
+        deliver_notice(run_dir, node, agent_pid, grace_s, source="sigterm", detail="orch got SIGTERM")
+
+    return notify

@@ -27,17 +27,20 @@ class ScalingPolicy:
     max_nodes: int
     wait_for_nodes_s: float
 
-    def decide(self, nodes: list[ClusterNode], agents_on: Counter, grow: bool, below_min_for_s: float) -> ScalingDecision:
+    def decide(self, nodes: list[ClusterNode], agents_on: Counter, grow: bool, below_min_for_s: float,
+               standbys_on: Counter = Counter()) -> ScalingDecision:
         """``agents_on``: node id -> agents there (running or starting). ``grow``: may go past MIN (the
         controller holds growth back while survivors recover). ``below_min_for_s``: how long the run has had
-        fewer than MIN agents (0 when it has enough)."""
+        fewer than MIN agents (0 when it has enough). ``standbys_on``: slots taken by standbys, which count
+        against a machine's slots but not toward the job's size."""
         have = sum(agents_on.values())
         target = self.max_nodes if grow or have < self.min_nodes else have
-        free = Counter({n.node_id: n.slots - agents_on[n.node_id] for n in nodes if n.slots > agents_on[n.node_id]})
+        used = agents_on + standbys_on
+        free = Counter({n.node_id: n.slots - used[n.node_id] for n in nodes if n.slots > used[n.node_id]})
         start: list[str] = []
         while have + len(start) < target and free:
             # Round-robin over machines, fewest of our agents first: spread before packing.
-            node_id = min(free, key=lambda n: (agents_on[n] + start.count(n), n))
+            node_id = min(free, key=lambda n: (used[n] + start.count(n), n))
             start.append(node_id)
             free[node_id] -= 1
             if free[node_id] == 0:

@@ -16,7 +16,7 @@ from orchestrator.k8s.pods import (labels, metadata, node_launch_args, object_na
                                    require_shared_checkpoints, store_port, store_service, training_container,
                                    training_env)
 from orchestrator.k8s.store import store_objects
-from orchestrator.plan.plan import rendezvous_conf
+from orchestrator.rendezvous.args import rendezvous_conf
 
 COMPONENT = "trainer"
 CONTAINER = "pytorch"  # the operator sets its PET_* variables on the container of this name

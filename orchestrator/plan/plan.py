@@ -13,10 +13,11 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from orchestrator.config.schema import OrchConfig
+from orchestrator.preemption.notices import SIGTERM_NOTICE_ENV, SIGTERM_NOTICE_FILE
+from orchestrator.rendezvous.args import rendezvous_argv, rendezvous_conf, rendezvous_env
+from orchestrator.rundir import CONFIG_FILE, PLAN_FILE  # noqa: F401 (re-exported)
 from orchestrator.testcluster.state import ClusterState, NodeHost, enter_argv
 
-CONFIG_FILE = "config.yaml"
-PLAN_FILE = "plan.json"
 PORT_PLACEHOLDER = "<port chosen at launch>"
 
 
@@ -92,13 +93,6 @@ class LaunchPlan:
         return "\n".join(lines)
 
 
-def rendezvous_conf(cfg: OrchConfig) -> str:
-    """torchrun's ``--rdzv-conf``: the store lives elsewhere (is_host=false), timeouts from config."""
-    r = cfg.rendezvous
-    return (f"is_host=false,join_timeout={r.join_timeout_s},last_call_timeout={r.last_call_timeout_s},"
-            f"keep_alive_interval={r.keep_alive_interval_s},keep_alive_max_attempt={r.keep_alive_max_attempt}")
-
-
 def entrypoint_argv(cfg: OrchConfig, run_dir: str) -> tuple[str, ...]:
     """What torchrun runs on every rank: the built-in trainer, or the user's script or module."""
     e = cfg.entrypoint
@@ -120,10 +114,7 @@ def torchrun_argv(cfg: OrchConfig, node: int, run_id: str, endpoint: str, run_di
         python, "-m", "torch.distributed.run",
         f"--nnodes={c.min_nodes}:{c.max_nodes}",
         f"--nproc-per-node={c.nproc_per_node}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={endpoint}",
-        f"--rdzv-id={run_id}",
-        f"--rdzv-conf={rendezvous_conf(cfg)}",
+        *rendezvous_argv(cfg, endpoint, run_id),
         f"--max-restarts={c.max_restarts}",
         *addr,
         "--monitor-interval=0.5",
@@ -138,9 +129,10 @@ def node_env(cfg: OrchConfig, node: int, run_dir: str, run_id: str) -> dict[str,
     env = {"ORCH_RUN_DIR": run_dir, "ORCH_RUN_ID": run_id, "ORCH_NODE": str(node), "PYTHONUNBUFFERED": "1",
            # How long torchrun lets workers finish after forwarding SIGTERM: the emergency checkpoint's window.
            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(max(1, int(cfg.preemption.grace_period_s))),
-           # torchrun caches rank 0's bootstrap address from the first round and never republishes it, so a
-           # replacement node joining a later round waits forever for it: publish it every round instead.
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+           **rendezvous_env(),
+           # torchrun SIGTERMs the workers it restarts (a node joined or left): under orch a SIGTERM is a
+           # preemption notice only when orch wrote the agent's notice file first (orchestrator/preemption).
+           SIGTERM_NOTICE_ENV: SIGTERM_NOTICE_FILE}
     if cfg.cluster.device == "cpu":
         # One intra-op thread per worker: simulated nodes share this machine's cores.
         env["OMP_NUM_THREADS"] = "1"

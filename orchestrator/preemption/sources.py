@@ -3,7 +3,8 @@
 - ``aws``: EC2 spot ``instance-action`` through IMDSv2 (PUT a session token, then GET with it; 404 = none).
 - ``gcp``: GCE metadata ``instance/preempted`` (``wait_for_change`` long-poll; body ``TRUE`` = preempted).
 - ``azure``: Scheduled Events with an event of type ``Preempt``.
-- ``chaos``: a notice file ``<run dir>/notices/node<N>-<agent pid>.json`` written by ``orch chaos preempt``.
+- ``chaos``: the agent's notice file ``<run dir>/notices/node<N>-<agent pid>.json``, written by
+  ``orch chaos preempt`` (see notices.py).
 ``sigterm`` is a signal handler, not a poller: see watcher.py.
 
 Endpoints come from config so tests serve them from small HTTP servers on 127.0.0.1.
@@ -12,24 +13,16 @@ Endpoints come from config so tests serve them from small HTTP servers on 127.0.
 from __future__ import annotations
 
 import json
-import os
-import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
+from orchestrator.preemption.notices import AgentNotices, Notice
+
+__all__ = ["Notice", "NoticeSource", "AWSSpotSource", "GCPPreemptedSource", "AzureScheduledEventsSource",
+           "ChaosFileSource", "build_sources"]
+
 HTTP_TIMEOUT_S = 2.0
-
-
-@dataclass(frozen=True)
-class Notice:
-    """A preemption notice: which source saw it, when, and what it said."""
-
-    source: str
-    detail: str
-    t: float = field(default_factory=time.time)
 
 
 class NoticeSource:
@@ -114,22 +107,18 @@ class AzureScheduledEventsSource(NoticeSource):
 
 
 class ChaosFileSource(NoticeSource):
-    """The drill source: ``orch chaos preempt`` writes ``notices/node<N>-<agent pid>.json`` into the run dir.
-    The agent PID (this worker's parent) keeps a replacement node of the same index from seeing it."""
+    """The drill source: the notice file ``orch chaos preempt`` writes for this worker's agent (its parent
+    process; a replacement agent of the same node index has another PID and never sees it). Only ``chaos``
+    notices: a ``sigterm`` notice comes with its SIGTERM, which the watcher handles."""
 
     name = "chaos"
 
     def __init__(self, run_dir: str, node: int):
-        self.path = Path(run_dir) / "notices" / f"node{node}-{os.getppid()}.json"
+        self.notices = AgentNotices.of_parent(run_dir, node, {self.name})
+        self.path = self.notices.path
 
     def poll(self) -> Optional[Notice]:
-        if not self.path.exists():
-            return None
-        try:
-            notice = json.loads(self.path.read_text())
-        except json.JSONDecodeError:
-            return None  # being written: next poll
-        return Notice(self.name, f"orch chaos preempt (grace {notice.get('grace_s')} s)", notice.get("t", time.time()))
+        return self.notices.read()
 
 
 def build_sources(names: list[str], cfg, run_dir: str, node: int) -> list[NoticeSource]:

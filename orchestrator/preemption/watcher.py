@@ -1,34 +1,65 @@
 """The worker's view of preemption: any source may raise the flag; the trainer acts at a step boundary.
 
-SIGTERM (Kubernetes, torchrun forwarding its own SIGTERM, generic schedulers) only sets the flag, so the
-current step finishes and the emergency checkpoint is written before the process exits with
-``PREEMPTED_EXIT_CODE``, which launchers read as "preempted", not "failed".
+A notice only sets the flag, so the current step finishes and the emergency checkpoint is written before the
+process exits with ``PREEMPTED_EXIT_CODE``, which launchers read as "preempted", not "failed".
+
+SIGTERM means one of two things to a torchrun worker: a preemption notice (the kubelet, a scheduler, or orch
+forwarding its own SIGTERM through the agent), or torchrun stopping the workers it is about to restart for a
+membership change (a node joined or left). ``sigterm_mode`` says how to tell them apart:
+
+- ``always`` (a bare torchrun; nothing else tells them apart): every SIGTERM is a notice;
+- ``file`` (under orch's launcher, ``ORCH_SIGTERM_NOTICE=file``): a SIGTERM is a notice only when this worker's
+  agent has a ``sigterm`` notice file (orch writes it before it forwards SIGTERM, see notices.py). Otherwise
+  torchrun is restarting the workers: the worker leaves at once, without a checkpoint or an event, unless it
+  is already saving on a notice. A notice of another source that it held but had not acted on yet is not
+  lost: it is in the agent's notice file (chaos drills write one; a polled cloud notice is handed over to one,
+  since a metadata service may announce it only once), which outlives the workers: the next ones read it at
+  start-up and act on it at their first step boundary.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 from typing import Optional
 
-from orchestrator.preemption.sources import Notice, NoticeSource
+from orchestrator.preemption.notices import (SIGTERM_NOTICE_ALWAYS, SIGTERM_NOTICE_FILE, SIGTERM_SOURCE,
+                                             AgentNotices, Notice)
+from orchestrator.preemption.sources import NoticeSource
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: try again later, elsewhere
+RESTART_EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a SIGTERM death: torchrun only waits for it
+RESTART_MESSAGE = b"[orch] SIGTERM without a preemption notice: torchrun is restarting the workers; leaving now\n"
 
 
 class PreemptionWatcher:
-    """Collects notices from ``sources`` (polled in a daemon thread) and, if ``sigterm``, from SIGTERM."""
+    """Collects notices from ``sources`` (polled in a daemon thread), from ``notices`` (this worker's agent's
+    notice file, read once at :meth:`start` and, in ``file`` mode, on SIGTERM) and from SIGTERM per
+    ``sigterm_mode``: ``always``, ``file`` (see the module docstring) or None (SIGTERM keeps its default
+    action). ``notice`` is the first notice seen; it never changes after."""
 
-    def __init__(self, sources: list[NoticeSource], handle_sigterm: bool, poll_interval_s: float):
-        self.sources, self.handle_sigterm, self.poll_interval_s = sources, handle_sigterm, poll_interval_s
+    def __init__(self, sources: list[NoticeSource], sigterm_mode: Optional[str], poll_interval_s: float,
+                 notices: Optional[AgentNotices] = None):
+        if sigterm_mode not in (None, SIGTERM_NOTICE_ALWAYS, SIGTERM_NOTICE_FILE):
+            raise ValueError(f"sigterm_mode={sigterm_mode!r}: use None, {SIGTERM_NOTICE_ALWAYS!r} or "
+                             f"{SIGTERM_NOTICE_FILE!r}")
+        self.sources, self.sigterm_mode, self.poll_interval_s = sources, sigterm_mode, poll_interval_s
+        self.notices = notices
         self.notice: Optional[Notice] = None
+        self._acting = False
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> "PreemptionWatcher":
-        if self.handle_sigterm:
+        """Read the agent's notice file (a notice given between rounds, before these workers started, is acted on
+        at their first step boundary), install the SIGTERM handler, start polling. Call from the main thread."""
+        if self.notices is not None:
+            self._take(self.notices.read())
+        if self.sigterm_mode is not None:
             signal.signal(signal.SIGTERM, self._on_sigterm)
-        if self.sources:
+        if self.sources and self.notice is None:
             self._thread = threading.Thread(target=self._poll_forever, name="orch-preemption-watcher", daemon=True)
             self._thread.start()
         return self
@@ -40,9 +71,46 @@ class PreemptionWatcher:
     def noticed(self) -> bool:
         return self.notice is not None
 
+    def mark_acting(self) -> None:
+        """The worker is saving and leaving on a notice (its own or another rank's): from now on a SIGTERM that
+        is no notice does not end it early; the emergency checkpoint is worth more than a prompt restart."""
+        self._acting = True
+
+    def _take(self, notice: Optional[Notice]) -> None:
+        if notice is not None and self.notice is None:
+            self.notice = notice
+
     def _on_sigterm(self, signum, frame) -> None:
-        if self.notice is None:
-            self.notice = Notice("sigterm", "SIGTERM received")
+        if self.sigterm_mode == SIGTERM_NOTICE_ALWAYS:
+            self._take(Notice(SIGTERM_SOURCE, "SIGTERM received"))
+            return
+        if self._acting:
+            return
+        notice = self.notices.read() if self.notices is not None else None
+        if notice is not None and notice.source == SIGTERM_SOURCE:
+            self._take(notice)
+            return
+        self._leave_for_restart(signum)
+
+    @staticmethod
+    def _leave_for_restart(signum: int) -> None:
+        """torchrun is restarting the workers: nothing to save, and its next round waits for this exit, so skip
+        the interpreter's teardown (1-2 s of torch module and process-group finalizers on a busy node)."""
+        os.write(2, RESTART_MESSAGE)  # not print(): the handler may have interrupted a write to sys.stderr
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # a reentrant flush from inside a handler: what it held is lost, never the exit
+                pass
+        os._exit(128 + signum)
+
+    def _hand_over(self, notice: Notice) -> None:
+        if self.notices is None:
+            return
+        try:
+            self.notices.hand_over(notice)
+        except OSError:  # a run dir that cannot be written: these workers still act on the notice themselves
+            pass
 
     def _poll_forever(self) -> None:
         while not self._stop.is_set() and self.notice is None:
@@ -51,7 +119,8 @@ class PreemptionWatcher:
                     notice = source.poll()
                 except Exception:  # an unreachable metadata server is not a notice; keep polling
                     notice = None
-                if notice is not None and self.notice is None:
-                    self.notice = notice
+                if notice is not None:
+                    self._take(notice)
+                    self._hand_over(notice)
                     return
             self._stop.wait(self.poll_interval_s)

@@ -16,37 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
-from orchestrator.report.runlog import EVENTS_FILE, METRICS_FILE
+from orchestrator.rundir import EVENTS_FILE, METRICS_FILE, JsonlTail
 
 PLAIN_INTERVAL_S = 10.0
 POLL_S = 0.5
 EVENT_DETAILS = ("node", "world_size", "step", "status")
-
-
-class JsonlTail:
-    """The complete JSON lines appended to ``path`` since the previous :meth:`read_new`."""
-
-    def __init__(self, path: Path, from_end: bool = True):
-        self.path = path
-        self.offset = path.stat().st_size if from_end and path.exists() else 0
-        self._partial = b""
-
-    def read_new(self) -> list[dict[str, Any]]:
-        try:
-            with self.path.open("rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        self.offset += len(data)
-        *lines, self._partial = (self._partial + data).split(b"\n")
-        records = []
-        for line in lines:
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                continue
-        return records
 
 
 def describe_event(event: dict[str, Any]) -> str:

@@ -14,8 +14,9 @@ from typing import Any, Optional
 
 from orchestrator.errors import UserError
 from orchestrator.report import efficiency as eff
-from orchestrator.report.runlog import EVENTS_FILE, METRICS_FILE, read_jsonl
-from orchestrator.report.summary import build_summary, latest_launch
+from orchestrator.rundir import EVENTS_FILE, METRICS_FILE, read_jsonl
+from orchestrator.report.summary import build_summary
+from orchestrator.rundir import latest_launch
 
 REPORT_MD, REPORT_JSON, SCALING_FILE = "report.md", "report.json", "scaling.json"
 # Events drawn as vertical lines on the timeline, by marker kind.

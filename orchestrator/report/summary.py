@@ -11,15 +11,8 @@ from typing import Any, Optional
 
 from orchestrator.report.goodput import compute_goodput
 from orchestrator.report.efficiency import run_efficiency
-from orchestrator.report.runlog import EVENTS_FILE, METRICS_FILE, read_jsonl
+from orchestrator.rundir import EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, latest_launch, read_jsonl
 
-SUMMARY_FILE = "summary.json"
-
-
-def latest_launch(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The events of the most recent ``launch_started`` on (a run dir may be launched again to resume)."""
-    starts = [i for i, e in enumerate(events) if e["event"] == "launch_started"]
-    return events[starts[-1]:] if starts else events
 
 
 def root_cause(events: list[dict[str, Any]]) -> Optional[dict[str, Any]]:

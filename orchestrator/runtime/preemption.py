@@ -5,6 +5,10 @@ If there is one, every rank joins a synchronous emergency checkpoint of the step
 async save in flight), and exits with PREEMPTED_EXIT_CODE. The noticed node also stops its torchrun agent
 (unless SIGTERM already is), so it leaves the job instead of being restarted on a machine about to vanish;
 the other nodes' agents restart their workers, which re-rendezvous and resume from that checkpoint.
+
+How SIGTERM is read comes from ``ORCH_SIGTERM_NOTICE`` (see orchestrator/preemption/watcher.py): under orch's
+launcher only a SIGTERM that orch announced in the agent's notice file is a notice; torchrun's SIGTERM to the
+workers it restarts makes them leave at once, without a checkpoint.
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from orchestrator.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher, build_sources
+from orchestrator.preemption import (PREEMPTED_EXIT_CODE, AgentNotices, PreemptionWatcher, build_sources,
+                                     sigterm_notice_mode)
+from orchestrator.preemption.notices import SIGTERM_SOURCE
+from orchestrator.rundir import EventName
 
 if TYPE_CHECKING:
     from orchestrator.runtime.trainer import Trainer
@@ -39,9 +46,12 @@ class PreemptionResponse:
         self.trainer = trainer
         cfg = trainer.cfg.preemption
         self.node = trainer.ctx.node
-        # One poller per node is enough (local rank 0); every rank handles SIGTERM, which hits them all.
+        # One poller per node is enough (local rank 0); every rank handles SIGTERM, which hits them all, and reads
+        # the agent's notice file at start-up (a notice given between rounds, before this worker existed).
         pollers = build_sources(cfg.sources, cfg, trainer.run_dir, self.node) if trainer.ctx.local_rank == 0 else []
-        self.watcher = PreemptionWatcher(pollers, "sigterm" in cfg.sources, cfg.poll_interval_s).start()
+        mode = sigterm_notice_mode() if SIGTERM_SOURCE in cfg.sources else None
+        notices = AgentNotices.of_parent(trainer.run_dir, self.node, set(cfg.sources))
+        self.watcher = PreemptionWatcher(pollers, mode, cfg.poll_interval_s, notices).start()
         self._reported = False
 
     def stop(self) -> None:
@@ -51,11 +61,12 @@ class PreemptionResponse:
         notice = self.watcher.notice
         if notice is not None and not self._reported and self.trainer.ctx.local_rank == 0:
             self._reported = True
-            self.trainer.events.emit("preemption_notice", node=self.node, source=notice.source, detail=notice.detail,
-                                     step=self.trainer.progress.step, notice_t=notice.t)
+            self.trainer.events.emit(EventName.PREEMPTION_NOTICE, node=self.node, source=notice.source,
+                                     detail=notice.detail, step=self.trainer.progress.step, notice_t=notice.t)
         earliest = torch.tensor([notice.t if notice else math.inf], dtype=torch.float64, device=self.trainer.device)
         dist.all_reduce(earliest, op=dist.ReduceOp.MIN)
         if math.isfinite(earliest.item()):
+            self.watcher.mark_acting()  # a SIGTERM from a torchrun restart no longer cuts the save short
             self._save_and_leave(earliest.item())
 
     def _save_and_leave(self, notice_t: float) -> None:
@@ -65,15 +76,15 @@ class PreemptionResponse:
             remaining = cfg.grace_period_s - (start - notice_t)
             expected = t.checkpoints.expected_save_s()
             if expected is not None and expected > remaining:
-                t.events.emit("preemption_grace_short", step=step, expected_save_s=expected, remaining_s=remaining,
-                              grace_period_s=cfg.grace_period_s)
+                t.events.emit(EventName.PREEMPTION_GRACE_SHORT, step=step, expected_save_s=expected,
+                              remaining_s=remaining, grace_period_s=cfg.grace_period_s)
         t.checkpoints.save(reason="preemption")
         if t.ctx.is_main:
             t.checkpoints.manager.wait()  # synchronous: committed before anyone leaves
-            t.events.emit("emergency_checkpoint", step=step, save_s=time.time() - start,
+            t.events.emit(EventName.EMERGENCY_CHECKPOINT, step=step, save_s=time.time() - start,
                           since_notice_s=time.time() - notice_t)
         dist.barrier()  # nobody exits before the checkpoint is committed
         notice = self.watcher.notice
-        if notice is not None and notice.source != "sigterm" and t.ctx.local_rank == 0:
+        if notice is not None and notice.source != SIGTERM_SOURCE and t.ctx.local_rank == 0:
             os.kill(os.getppid(), signal.SIGTERM)  # the torchrun agent: this node leaves the job
         raise PreemptedExit(step)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from orchestrator.config.compose import load_run_config
-from orchestrator.report.runlog import EventLog
+from orchestrator.rundir import EventLog
 from orchestrator.runtime.distributed import DistContext, init_process_group
 from orchestrator.runtime.preemption import PreemptedExit
 from orchestrator.runtime.trainer import Trainer

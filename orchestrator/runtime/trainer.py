@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from orchestrator.config.schema import OrchConfig
-from orchestrator.report.runlog import METRICS_FILE, EventLog, append_jsonl
+from orchestrator.rundir import METRICS_FILE, EventLog, append_jsonl
 from orchestrator.runtime.checkpointing import TrainingCheckpoints
 from orchestrator.runtime.distributed import DistContext, select_device
 from orchestrator.runtime.precision import MixedPrecision

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from orchestrator.report.runlog import append_jsonl, read_jsonl
+from orchestrator.rundir import append_jsonl, read_jsonl
 from orchestrator.testcluster import netns as nx
 from orchestrator.testcluster.state import (
     SUBNET_PREFIX, ClusterState, check_name, faults_path, link_tag, load_state, plan_cluster,

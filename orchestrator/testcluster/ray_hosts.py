@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from orchestrator.errors import EnvironmentMismatch
-from orchestrator.report.runlog import EventLog
+from orchestrator.rundir import EventLog
 from orchestrator.testcluster import cluster
 from orchestrator.testcluster.state import ClusterState, enter_argv
 
@@ -123,7 +123,7 @@ class RayHosts:
             return  # one start per tick, for the same reason as in start_all
 
     def close(self) -> None:
-        from launchers.processes import terminate_tree
+        from orchestrator.processes import terminate_tree
 
         for proc in self.procs.values():
             if proc.poll() is None:

@@ -25,19 +25,17 @@ node, which scales the job up; every rank then restores the newest checkpoint.
 
 from __future__ import annotations
 
-import base64
-import pickle
 import signal
 import os
 import time
 from collections import deque
 from pathlib import Path
-from datetime import datetime, timedelta, timezone
 from typing import Callable, Optional
 
 import psutil
 
-from orchestrator.report.runlog import EventLog, append_jsonl
+from orchestrator.rendezvous.rounds import RoundWatch
+from orchestrator.rundir import EventLog, append_jsonl
 from orchestrator.testcluster import cluster
 from orchestrator.testcluster import netns as nx
 from orchestrator.testcluster.state import ClusterState
@@ -64,65 +62,6 @@ def _end(workers: list[psutil.Process]) -> list[int]:
         except psutil.NoSuchProcess:
             pass
     return ended
-
-
-class RoundWatch:
-    """Reads the c10d rendezvous state of ``run_id`` from the store at ``host:port``."""
-
-    def __init__(self, host: str, port: int, run_id: str, silence_s: float):
-        self.host, self.port, self.key, self.silence_s = host, port, f"torch.rendezvous.{run_id}", silence_s
-        self._store = None
-        self.round: Optional[int] = None
-        self.last_seen: dict = {}  # member (torchrun _NodeDesc: addr, pid, local_id) -> newest keep-alive
-
-    def _read(self):
-        from torch.distributed import TCPStore
-
-        if self._store is None:
-            self._store = TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=5))
-        if not self._store.check([self.key]):
-            return None
-        try:
-            return pickle.loads(base64.b64decode(self._store.get(self.key)))
-        except Exception:  # torchrun's initial sentinel, or a format this torch does not write
-            return None
-
-    def silent(self) -> list:
-        """Members of the current complete round whose newest keep-alive is older than ``silence_s``."""
-        state = self._read()
-        if state is None or state.closed or not state.complete:
-            return []
-        if state.round != self.round:
-            self.round = state.round
-            self.last_seen = {m: state.last_heartbeats.get(m) for m in state.participants}
-        for member, beat in state.last_heartbeats.items():
-            seen = self.last_seen.get(member, False)
-            if seen is not False and beat is not None and (seen is None or beat > seen):
-                self.last_seen[member] = beat
-        cutoff = datetime.now(timezone.utc) - timedelta(seconds=self.silence_s)
-        return [m for m, beat in self.last_seen.items() if beat is not None and beat < cutoff]
-
-    def follow(self, run_id: str) -> None:
-        """Watch rendezvous ``run_id`` from now on (the Ray controller uses a fresh id for every restart)."""
-        key = f"torch.rendezvous.{run_id}"
-        if key != self.key:
-            self.key, self.round, self.last_seen = key, None, {}
-
-    def members(self) -> Optional[set[int]]:
-        """The agent PIDs the rendezvous knows now: the round's participants and the nodes waiting to join."""
-        state = self._read()
-        if state is None:
-            return None
-        known = [*state.participants, *state.wait_list, *getattr(state, "redundancy_list", ())]
-        return {m.pid for m in known}
-
-    def silence(self) -> dict[str, float]:
-        """Seconds since each member's newest keep-alive, by its address."""
-        now = datetime.now(timezone.utc)
-        return {m.addr: round((now - b).total_seconds(), 2) for m, b in self.last_seen.items() if b is not None}
-
-    def close(self) -> None:
-        self._store = None
 
 
 class CpuHistory:

@@ -16,7 +16,7 @@ from ray.exceptions import RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.controller.api import AgentExit, AgentSpec, AgentStarted, AgentUpdate, ClusterNode
-from orchestrator.controller.node_agent import NodeAgent
+from orchestrator.controller.pools.node_agent import NodeAgent
 
 
 class RayNodePool:
@@ -25,9 +25,10 @@ class RayNodePool:
     def __init__(self, cpus_per_agent: float, gpus_per_agent: int, spread: bool, max_agents: int):
         self.cpus, self.gpus, self.spread, self.max_agents = cpus_per_agent, gpus_per_agent, spread, max_agents
         self._actor_class = ray.remote(NodeAgent)
-        self._actors: dict[int, tuple[Any, str]] = {}  # node index -> (actor, Ray node id)
-        self._running: set[int] = set()  # node indexes whose torchrun has started
-        self._pending: dict[Any, tuple[str, int, Any]] = {}  # object ref -> ("start" | "exit", node index, actor)
+        self._actors: dict[int, tuple[Any, int, str]] = {}  # agent id -> (actor, node index, Ray node id)
+        self._idle: dict[str, list[Any]] = {}  # Ray node id -> actors whose torchrun exited (they hold its slot)
+        self._running: set[int] = set()  # agent ids whose torchrun has started
+        self._pending: dict[Any, tuple[str, int, Any]] = {}  # object ref -> ("start" | "exit", agent id, actor)
 
     def nodes(self) -> list[ClusterNode]:
         found = []
@@ -46,21 +47,13 @@ class RayNodePool:
         return min(min(fits), 1) if self.spread else min(fits)
 
     def start(self, spec: AgentSpec, node_id: str) -> None:
-        actor = self._actor_on(spec.node, node_id)
-        self._pending[actor.start.remote(spec)] = ("start", spec.node, actor)
-
-    def _actor_on(self, node: int, node_id: str) -> Any:
-        """The node's actor when it is already on ``node_id`` (its torchrun has exited), else a new one there."""
-        current = self._actors.get(node)
-        if current and current[1] == node_id:
-            return current[0]
-        if current:
-            ray.kill(current[0], no_restart=True)
-        actor = self._actor_class.options(
+        # An idle actor on that Ray node runs the next torchrun: no new actor to place, no slot held twice.
+        idle = self._idle.get(node_id)
+        actor = idle.pop() if idle else self._actor_class.options(
             num_cpus=self.cpus, num_gpus=self.gpus, max_concurrency=4, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
-        self._actors[node] = (actor, node_id)
-        return actor
+        self._actors[spec.agent_id] = (actor, spec.node, node_id)
+        self._pending[actor.start.remote(spec)] = ("start", spec.agent_id, actor)
 
     def poll(self, timeout_s: float) -> list[AgentUpdate]:
         refs = list(self._pending)
@@ -73,42 +66,50 @@ class RayNodePool:
         return [self._resolve(ref) for ref in ready]
 
     def _resolve(self, ref: Any) -> AgentUpdate:
-        kind, node, actor = self._pending.pop(ref)
+        kind, agent_id, actor = self._pending.pop(ref)
+        node = self._actors[agent_id][1] if agent_id in self._actors else -1
         try:
             value = ray.get(ref)
         except RayActorError as exc:
-            self._forget(node, actor)
-            return AgentExit(node, actor_died=True, detail=_first_line(exc))
+            self._forget(agent_id)
+            return AgentExit(agent_id, node, actor_died=True, detail=_first_line(exc))
         except RayError as exc:  # start() raised: torchrun could not be started on that node
-            self._running.discard(node)
-            return AgentExit(node, detail=_first_line(exc))
+            self._running.discard(agent_id)
+            return AgentExit(agent_id, node, detail=_first_line(exc))
         if kind == "start":
-            self._running.add(node)
-            self._pending[actor.wait_exit.remote()] = ("exit", node, actor)
-            return AgentStarted(node, value["node_id"], value["ip"], value["pid"])
-        self._running.discard(node)
-        return AgentExit(node, exit_code=value["exit_code"], death_signal=value["death_signal"])
+            self._running.add(agent_id)
+            self._pending[actor.wait_exit.remote()] = ("exit", agent_id, actor)
+            return AgentStarted(agent_id, node, value["node_id"], value["ip"], value["pid"])
+        self._running.discard(agent_id)
+        entry = self._actors.pop(agent_id, None)
+        if entry is not None:
+            self._park(entry)
+        return AgentExit(agent_id, node, exit_code=value["exit_code"], death_signal=value["death_signal"])
 
-    def stop(self, node: int, grace_s: float, agent_only: bool = False) -> None:
-        current = self._actors.get(node)
-        if current is None:
+    def _park(self, entry: tuple[Any, int, str]) -> None:
+        actor, _, node_id = entry
+        self._idle.setdefault(node_id, []).append(actor)
+
+    def stop(self, agent_id: int, grace_s: float, agent_only: bool = False) -> None:
+        entry = self._actors.get(agent_id)
+        if entry is None:
             return
-        if node in self._running:
-            current[0].stop.remote(grace_s, agent_only)
+        if agent_id in self._running:
+            entry[0].stop.remote(grace_s, agent_only)
         else:  # still being placed or starting: the pending start call fails, reported as the agent's exit
-            ray.kill(current[0], no_restart=True)
-            self._forget(node, current[0])
+            ray.kill(entry[0], no_restart=True)
+            self._forget(agent_id)
 
-    def _forget(self, node: int, actor: Any) -> None:
-        if node in self._actors and self._actors[node][0] is actor:
-            del self._actors[node]
-            self._running.discard(node)
+    def _forget(self, agent_id: int) -> None:
+        self._actors.pop(agent_id, None)
+        self._running.discard(agent_id)
 
     def close(self) -> None:
         """Kill every actor; a torchrun still running under one gets SIGTERM from its death (see node_agent)."""
-        for actor, _ in self._actors.values():
+        for actor in [*(a for a, _, _ in self._actors.values()), *(a for idle in self._idle.values() for a in idle)]:
             ray.kill(actor, no_restart=True)
         self._actors.clear()
+        self._idle.clear()
         self._running.clear()
         self._pending.clear()
 

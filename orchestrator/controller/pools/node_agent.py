@@ -9,7 +9,6 @@ closes it only on a failure, never on a signal).
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -17,8 +16,9 @@ import threading
 from pathlib import Path
 from typing import Optional
 
-from launchers.processes import NodeProcess, kill_tree, terminate_tree
+from orchestrator.processes import NodeProcess, kill_tree, terminate_tree
 from orchestrator.controller.api import AgentSpec
+from orchestrator.controller.pools import DEATH_SIGNAL
 
 PARENT_ENV = "ORCH_AGENT_PARENT_PID"
 DIE_WITH_PARENT = (
@@ -29,7 +29,6 @@ DIE_WITH_PARENT = (
     "    sys.exit(143)  # the agent died before the prctl took effect\n"
     "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n"
 )
-DEATH_SIGNAL = re.compile(r"Received (\S+) death signal")  # torchrun's log line when a signal stops it
 
 
 class NodeAgent:

@@ -1,0 +1,64 @@
+"""The c10d rendezvous store, hosted by a long-lived orch process and never by a worker node.
+
+torchrun agents connect with ``--rdzv-conf is_host=false``, so losing any node never takes rendezvous down:
+the survivors re-rendezvous against this store within the keep-alive timeouts.
+
+Whoever hosts the store also sees every agent exit, which torchrun's rendezvous only learns from a missed
+keep-alive: ``evict`` takes a departed agent out of the round at once, so the next round need not wait for
+its keep-alive to expire, and reopens a round its departure broke, so the survivors never wait for it.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Optional
+
+from torch.distributed import TCPStore
+
+from orchestrator.rendezvous import state as rdzv_state
+from orchestrator.rendezvous.state import Eviction, RendezvousState
+
+
+class RendezvousStore:
+    """A TCPStore server on ``host``:``port`` (0 picks a free port). ``endpoint`` is what agents dial."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 300.0):
+        self.host = host
+        # multi_tenant: torchrun's own clients open it that way; wait_for_workers=False: agents come and go.
+        self._store = TCPStore(host, port, is_master=True, multi_tenant=True, wait_for_workers=False,
+                               timeout=timedelta(seconds=timeout_s))
+        self._port = self._store.port
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def client(self, timeout_s: float = 10.0):
+        """A fresh client of this store (one per caller: the controller and a watch may run in two threads)."""
+        return rdzv_state.connect(self.host, self.port, timeout_s)
+
+    def state(self, run_id: str) -> Optional[RendezvousState]:
+        """Rendezvous ``run_id`` as the agents see it now; None before the first agent joined."""
+        return rdzv_state.read_state(self.client(), run_id)
+
+    def evict(self, run_id: str, agent_pid: int) -> Eviction:
+        """Take the torchrun agent ``agent_pid``, which has exited, out of rendezvous ``run_id``: out of the
+        round's participants and waiting nodes, as torchrun's own sweep does once its keep-alive is
+        ``keep_alive_interval x keep_alive_max_attempt`` old, and as torchrun's exit op does (a signalled agent
+        never runs it). A round still forming then completes with whoever is there. A complete round the agent
+        was part of is broken (the survivors' new workers would wait for its rank until ``backend.timeout_s``):
+        with others left it is reopened, so their agents re-rendezvous at once; with none left the next round
+        opens, as in torch.
+
+        Returns an :class:`~orchestrator.rendezvous.state.Eviction`, true when the agent was there; its
+        ``reopened`` tells the caller to log ``rendezvous_reopened``. Writes by compare-and-set, so a concurrent
+        change by an agent wins and the eviction is applied again to the new state."""
+        return rdzv_state.evict(self.client(), run_id, agent_pid)
+
+    def close(self) -> None:
+        """Drop the server; agents still connected see their next store call fail."""
+        self._store = None

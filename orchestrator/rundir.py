@@ -1,0 +1,168 @@
+"""The run dir: its file names, the events a run records, and the one way to write and read its JSON lines.
+
+Everything a run did is in its run dir, append-only, so a report can be rebuilt from it after a crash. Several
+processes (the launcher, node agents, workers, chaos drills) append to the same files: each record is written
+with one ``os.write`` on an ``O_APPEND`` descriptor, which keeps lines whole on a local filesystem.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+CONFIG_FILE = "config.yaml"  # the resolved config every worker loads
+PLAN_FILE = "plan.json"  # the launch plan, as `orch launch --dry-run` prints it
+EVENTS_FILE = "events.jsonl"  # one JSON object per event: {"t": unix seconds, "event": NAME, ...}
+METRICS_FILE = "metrics.jsonl"  # one JSON object per logged training step
+SUMMARY_FILE = "summary.json"  # the outcome, derived from the two files above
+NODES_FILE = "nodes.json"  # {"<node>": <torchrun agent pid>} of the live agents, read by `orch chaos`
+LOGS_DIR = "logs"  # logs/node<N>.log per node agent, logs/torchrun/ per rank
+NOTICES_DIR = "notices"  # notices/node<N>-<agent pid>.json: preemption notices to one agent's workers
+SAMPLES_DIR = "samples"  # samples/rank<R>.jsonl: sample ids per step (trainer.record_samples)
+
+
+class EventName(StrEnum):
+    """Every event a run records. String-valued: the JSON says ``"event": "node_lost"`` as it always did."""
+
+    # the launch and the controller
+    LAUNCH_STARTED = "launch_started"
+    CONTROLLER_STATE = "controller_state"
+    RUN_FINISHED = "run_finished"
+    INTERRUPTED = "interrupted"
+    PREEMPTION_NOTICE_FORWARDED = "preemption_notice_forwarded"
+    RESTART = "restart"
+    RUN_STOPPED_DETERMINISTIC = "deterministic_failure"
+    AGENTS_STOPPED = "agents_stopped"
+    AGENTS_UNRESPONSIVE = "agents_unresponsive"
+    RECOVERED = "recovered"
+    # node agents
+    NODE_STARTED = "node_started"
+    NODE_STANDBY_STARTED = "node_standby_started"
+    NODE_JOINED = "node_joined"
+    NODE_START_FAILED = "node_start_failed"
+    NODE_UNPLACEABLE = "node_unplaceable"
+    NODE_FINISHED = "node_finished"
+    NODE_STOPPED = "node_stopped"
+    NODE_PREEMPTED = "node_preempted"
+    NODE_LOST = "node_lost"
+    NODE_FAILED = "node_failed"
+    # rendezvous
+    RENDEZVOUS_EVICTED = "rendezvous_evicted"
+    RENDEZVOUS_REOPENED = "rendezvous_reopened"
+    RENDEZVOUS_COMPLETE = "rendezvous_complete"
+    ROUND_BROKEN = "round_broken"
+    # workers
+    WORKER_STARTED = "worker_started"
+    FIRST_STEP = "first_step"
+    TRAINING_FINISHED = "training_finished"
+    WORKER_FAILED = "worker_failed"
+    PREEMPTION_NOTICE = "preemption_notice"
+    PREEMPTION_GRACE_SHORT = "preemption_grace_short"
+    EMERGENCY_CHECKPOINT = "emergency_checkpoint"
+    CHECKPOINT_SAVED = "checkpoint_saved"
+    CHECKPOINT_LOADED = "checkpoint_loaded"
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"
+    CHECKPOINT_FAILED = "checkpoint_failed"
+    CHECKPOINT_RETENTION_FAILED = "checkpoint_retention_failed"
+    CHECKPOINT_CONFIG_CHANGED = "checkpoint_config_changed"
+    # fault injection
+    CHAOS_KILL = "chaos_kill"
+    CHAOS_PREEMPT = "chaos_preempt"
+    CHAOS_PARTITION = "chaos_partition"
+    CHAOS_HEAL = "chaos_heal"
+    # test clusters
+    STALE_WORKERS_ENDED = "stale_workers_ended"
+    TESTCLUSTER_BINDINGS = "testcluster_bindings"
+    TESTCLUSTER_RAY_NODE_STARTED = "testcluster_ray_node_started"
+
+
+def append_jsonl(path: str | os.PathLike, record: dict[str, Any]) -> None:
+    """Append one JSON object as one line, atomically with respect to other appenders."""
+    line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every complete JSON line of ``path`` (a torn last line from a crash is skipped); [] if absent."""
+    return list(_iter_jsonl(Path(path)))
+
+
+def _iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    if not path.exists():
+        return
+    with path.open() as f:
+        for line in f:
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
+def write_json_atomic(path: str | os.PathLike, value: Any) -> None:
+    """Write ``value`` as JSON through a temporary file and a rename: readers see the old or the new, whole."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value) + "\n")
+    tmp.replace(path)
+
+
+class JsonlTail:
+    """The complete JSON lines appended to ``path`` since the previous :meth:`read_new` (a line still being
+    written waits for the next call; a torn line is skipped as :func:`read_jsonl` skips it)."""
+
+    def __init__(self, path: str | os.PathLike, from_end: bool = True):
+        self.path = Path(path)
+        self.offset = self.path.stat().st_size if from_end and self.path.exists() else 0
+        self._partial = b""
+
+    def read_new(self) -> list[dict[str, Any]]:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        records = []
+        for line in lines:
+            try:
+                if line.strip():
+                    records.append(json.loads(line))
+            except ValueError:
+                continue
+        return records
+
+
+class EventLog:
+    """``events.jsonl`` of one run dir: ``{"t": unix_seconds, "event": NAME, ...}`` per line."""
+
+    def __init__(self, run_dir: str | os.PathLike, clock: Callable[[], float] = time.time):
+        self.path = Path(run_dir) / EVENTS_FILE
+        self.clock = clock  # wall time; tests of the controller inject theirs
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        """Record ``event`` (an :class:`EventName`) now with ``fields``; returns the record written."""
+        record = {"t": self.clock(), "event": str(event), **fields}
+        append_jsonl(self.path, record)
+        return record
+
+    def read(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.path)
+
+    def tail(self, from_end: bool = True) -> JsonlTail:
+        return JsonlTail(self.path, from_end)
+
+
+def latest_launch(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events of the most recent ``launch_started`` on (a run dir may be launched again to resume)."""
+    starts = [i for i, e in enumerate(events) if e["event"] == EventName.LAUNCH_STARTED]
+    return events[starts[-1]:] if starts else events
