@@ -7,7 +7,7 @@ import signal
 from pathlib import Path
 
 from orchestrator.errors import UserError
-from orchestrator.preemption.notices import deliver_notice, notice_path  # noqa: F401 (notice_path re-exported)
+from orchestrator.preemption.notices import deliver_notice
 from orchestrator.rundir import NODES_FILE, EventLog, EventName
 
 

@@ -33,6 +33,23 @@ class EnvironmentMismatch(UserError):
     """The machine cannot run what the config asks for (no CUDA, too few GPUs, unreachable cluster)."""
 
 
+class CheckpointError(OrchError):
+    """A checkpoint could not be saved or loaded: a failed (background) write, an invalid or corrupt checkpoint
+    asked for by step, or state that cannot be stored safely. The message names the step and URL. Exit 1."""
+
+
+class CheckpointSetupError(CheckpointError, UserError):
+    """The checkpoint code cannot work as set up: a URL it cannot use (unknown scheme, missing package, missing
+    bucket, missing or bad credentials, not writable) or a bad setting. Raised before anything is written.
+    Exit 2. ``subject`` names what is wrong (``checkpoint URL 's3://b/x'``), then the problem and the fix."""
+
+    exit_code = 2
+
+    def __init__(self, subject: str, problem: str, fix: str):
+        self.subject, self.problem, self.fix = subject, problem, fix
+        super().__init__(f"{subject} {problem}. Fix: {fix}")
+
+
 class RunFailed(OrchError):
     """A launched run ended in failure; the message names the root-cause rank and its error."""
 

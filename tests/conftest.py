@@ -7,6 +7,8 @@ import uuid
 
 import pytest
 
+pytest_plugins = ["orch_testcluster"]  # the testcluster fixture (opt-in: not loaded into users' pytest sessions)
+
 
 @pytest.fixture(scope="session")
 def moto_server():

@@ -17,6 +17,7 @@ import torch
 from orchestrator.checkpoint import (
     CheckpointError,
     CheckpointManager,
+    CheckpointSetupError,
     FileEntry,
     format_checkpoint_detail,
     format_checkpoint_list,
@@ -272,21 +273,21 @@ def test_sync_failure_raises_from_save(tmp_path):
 
 
 def test_preflight_unknown_scheme_is_a_user_error():
-    with pytest.raises(UserError) as exc:
+    with pytest.raises(CheckpointSetupError) as exc:
         CheckpointManager("foo://x").preflight()
     msg = str(exc.value)
-    assert exc.value.exit_code == 2 and "\n" not in msg
-    assert "checkpoint.url='foo://x'" in msg and "unknown filesystem scheme" in msg and "Fix:" in msg
+    assert isinstance(exc.value, UserError) and exc.value.exit_code == 2 and "\n" not in msg
+    assert "checkpoint URL 'foo://x' has an unknown filesystem scheme 'foo://'. Fix:" in msg
 
 
 def test_preflight_unwritable_local_path_is_a_user_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     url = str(blocker / "ck")
-    with pytest.raises(UserError) as exc:
+    with pytest.raises(CheckpointSetupError) as exc:
         CheckpointManager(url).preflight()
     assert exc.value.exit_code == 2 and "\n" not in str(exc.value)
-    assert f"checkpoint.url={url!r} is not writable" in str(exc.value)
+    assert f"checkpoint URL {url!r} is not writable" in str(exc.value)
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
@@ -295,7 +296,7 @@ def test_preflight_read_only_directory_is_a_user_error(tmp_path):
     ro.mkdir()
     ro.chmod(0o555)
     try:
-        with pytest.raises(UserError, match="not writable"):
+        with pytest.raises(CheckpointSetupError, match="not writable"):
             CheckpointManager(str(ro)).preflight()
     finally:
         ro.chmod(0o755)
@@ -308,7 +309,7 @@ def test_preflight_missing_package_names_it():
         pass
     else:
         pytest.skip("gcsfs is installed")
-    with pytest.raises(UserError, match="pip install gcsfs"):
+    with pytest.raises(CheckpointSetupError, match="pip install gcsfs"):
         CheckpointManager("gs://bucket/run").preflight()
 
 
@@ -362,13 +363,29 @@ def test_save_refuses_state_that_weights_only_cannot_load(tmp_path):
 def test_load_with_nothing_and_unknown_step(tmp_path):
     mgr = CheckpointManager(str(tmp_path / "ck"))
     assert mgr.load() is None and mgr.list() == [] and mgr.latest_valid_step() is None
-    with pytest.raises(CheckpointError, match="no checkpoint at step 5"):
+    with pytest.raises(CheckpointError, match="no checkpoint at step 5 .* Fix: check the URL"):
+        mgr.load(5)
+    mgr.save(2, {"model": {"w": torch.zeros(1)}})
+    mgr.wait()
+    with pytest.raises(CheckpointError, match=r"no checkpoint at step 5 .* Fix: load one of the steps there \(2\)"):
         mgr.load(5)
 
 
 def test_keep_last_must_be_positive():
-    with pytest.raises(UserError, match="checkpoint.keep_last"):
+    with pytest.raises(CheckpointSetupError, match="keep_last=0 must be an integer >= 1. Fix:") as exc:
         CheckpointManager("memory://x", keep_last=0)
+    assert exc.value.exit_code == 2 and "checkpoint.keep_last" not in str(exc.value)
+
+
+def test_launch_preflight_names_the_setting_and_the_manager_does_not():
+    """orch launch's preflight names checkpoint.url (where the user set it); the manager, used from any code,
+    names the URL only."""
+    from orchestrator.checkpoint import preflight_storage
+
+    with pytest.raises(CheckpointSetupError, match=r"^checkpoint.url='foo://x' has an unknown filesystem scheme"):
+        preflight_storage("foo://x")
+    with pytest.raises(CheckpointSetupError, match=r"^checkpoint URL 'foo://x' has an unknown filesystem scheme"):
+        CheckpointManager("foo://x").list()
 
 
 def test_memory_url_and_inspect_views(tmp_path):

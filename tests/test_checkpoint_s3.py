@@ -12,11 +12,11 @@ import torch
 from orchestrator.checkpoint import (
     CheckpointError,
     CheckpointManager,
+    CheckpointSetupError,
     format_checkpoint_detail,
     format_checkpoint_list,
     step_dirname,
 )
-from orchestrator.errors import UserError
 
 pytestmark = pytest.mark.timeout(60)
 s3fs = pytest.importorskip("s3fs")
@@ -87,11 +87,12 @@ def test_s3_corrupt_and_incomplete_checkpoints_are_skipped(s3_bucket):
 
 def test_s3_preflight_missing_bucket_is_a_user_error_and_creates_nothing(s3_env):
     url = "s3://orch-no-such-bucket/run"
-    with pytest.raises(UserError) as exc:
+    with pytest.raises(CheckpointSetupError) as exc:
         CheckpointManager(url).preflight()
     msg = str(exc.value)
     assert exc.value.exit_code == 2 and "\n" not in msg
-    assert f"checkpoint.url={url!r}" in msg and "does not exist" in msg and "Fix:" in msg
+    assert f"checkpoint URL {url!r} names a bucket that does not exist" in msg
+    assert "Fix: create the bucket 'orch-no-such-bucket'" in msg
     assert not s3fs.S3FileSystem().exists("orch-no-such-bucket")
 
 
@@ -99,11 +100,11 @@ def test_s3_preflight_without_credentials_is_a_user_error(s3_bucket, monkeypatch
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     s3fs.S3FileSystem.clear_instance_cache()
-    with pytest.raises(UserError) as exc:
+    with pytest.raises(CheckpointSetupError) as exc:
         CheckpointManager(f"s3://{s3_bucket}/run").preflight()
     msg = str(exc.value)
     assert exc.value.exit_code == 2 and "\n" not in msg
-    assert "checkpoint.url=" in msg and "credentials" in msg and "AWS_ACCESS_KEY_ID" in msg
+    assert f"checkpoint URL 's3://{s3_bucket}/run'" in msg and "credentials" in msg and "AWS_ACCESS_KEY_ID" in msg
 
 
 def test_s3_preflight_ok_leaves_no_probe(s3_bucket):
@@ -117,6 +118,6 @@ def test_s3_preflight_with_invalid_credentials_is_a_user_error(s3_bucket, monkey
     # The moto server runs in this process: make it check credentials, which "testing" then fails.
     monkeypatch.setattr(moto_settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
     s3fs.S3FileSystem.clear_instance_cache()
-    with pytest.raises(UserError) as exc:
+    with pytest.raises(CheckpointSetupError) as exc:
         CheckpointManager(f"s3://{s3_bucket}/run").preflight()
     assert exc.value.exit_code == 2 and "credentials" in str(exc.value)

@@ -14,7 +14,7 @@ from orchestrator.config.compose import compose_config
 from orchestrator.config.schema import FailureConfig
 from orchestrator.controller import controller as controller_module
 from orchestrator.controller.api import AgentExit, AgentStarted, ClusterNode, ExitKind, ManualClock, RunHooks, RunStatus
-from orchestrator.controller.controller import EXIT_BARRIER_GRACE_S, Controller
+from orchestrator.controller.controller import EXIT_BARRIER_GRACE_S, EXIT_TIMEOUT_S, Controller
 from orchestrator.controller.failure_policy import (FailureAction, classify, decide, failure_signature,
                                                     same_failure)
 from orchestrator.controller.scaling_policy import ScalingPolicy
@@ -354,6 +354,19 @@ def test_agents_waiting_in_the_exit_barrier_are_stopped_after_the_grace(make_con
     assert steps(c, 2) == ["running", "finished"]
     assert pool.stopped == [(1, False)] and events_named(events, "agents_stopped")
     assert c.state.status == RunStatus.SUCCEEDED
+
+
+def test_slow_exits_after_the_last_step_get_longer_when_no_agent_has_left(make_controller):
+    c, pool, events, clock = make_controller(["cluster.nnodes=1:2"], machines(1, 1))
+    steps(c, 2)
+    events.emit("training_finished", steps_completed=60)
+    steps(c, 1)
+    clock.advance(EXIT_BARRIER_GRACE_S + 1)
+    steps(c, 2)
+    assert pool.stopped == [], "workers may still be writing their last checkpoint"
+    clock.advance(EXIT_TIMEOUT_S)
+    steps(c, 2)
+    assert sorted(pool.stopped) == [(0, False), (1, False)]
 
 
 def test_a_pod_plays_its_own_node_and_succeeds_on_its_agents_clean_exit(make_controller):

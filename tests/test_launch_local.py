@@ -92,7 +92,9 @@ def test_user_code_failure_names_the_root_cause_rank(tmp_path):
 
 
 def test_killing_a_simulated_node_leaves_store_and_survivor_alive(tmp_path):
-    """nnodes=1:2: kill node 1's whole process tree mid-run; node 0 re-rendezvouses at world size 1, finishes."""
+    """nnodes=1:2: kill node 1's whole process tree mid-run; node 0 re-rendezvouses at world size 1 and goes on,
+    then the controller fills node 1's slot again (as the Ray launcher grows back onto a machine) and the job
+    grows back to 2."""
     run_dir = tmp_path / "run"
     proc = start_orch("launch", "conf=cpu_elastic", LOCAL, "cluster.nnodes=1:2", "trainer.max_steps=400",
                       "trainer.log_every=5", f"run.dir={run_dir}", log=tmp_path / "orch.log")
@@ -108,10 +110,13 @@ def test_killing_a_simulated_node_leaves_store_and_survivor_alive(tmp_path):
         stop_tree(proc.pid)
     s = summary(run_dir)
     assert s["status"] == "succeeded" and s["steps_completed"] == 400
-    assert s["world_size_history"] == [2, 1]
+    assert s["world_size_history"] == [2, 1, 2]
     events = read_jsonl(run_dir / "events.jsonl")
     lost = next(e for e in events if e["event"] == "node_lost")
     assert lost["node"] == 1
     after = [e for e in events if e["t"] > lost["t"]]
     assert any(e["event"] == "rendezvous_complete" and e["world_size"] == 1 for e in after)
-    assert any(e["event"] == "node_finished" and e["node"] == 0 for e in after)
+    recovered = next(e for e in after if e["event"] == "recovered")
+    replaced = next(e for e in after if e["event"] == "node_started" and e["node"] == 1)
+    assert replaced["replacement"] and replaced["t"] > recovered["t"], "growth waits until the survivors step again"
+    assert {e["node"] for e in after if e["event"] == "node_finished"} == {0, 1}

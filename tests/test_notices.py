@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.preemption import PREEMPTED_EXIT_CODE, AgentNotices, deliver_notice, read_notice
-from orchestrator.preemption.notices import (SIGTERM_NOTICE_ENV, Notice, notice_path, sigterm_notice_mode)
-from orchestrator.preemption.watcher import RESTART_EXIT_CODE, RESTART_MESSAGE
+from orchestrator.preemption.notices import SIGTERM_NOTICE_ENV, Notice, notice_path, sigterm_notice_mode
+from orchestrator.preemption.watcher import NO_RESTART_MESSAGE, RESTART_EXIT_CODE, RESTART_MESSAGE
 from orchestrator.processes import kill_tree
 from orchestrator.rundir import NOTICES_DIR
 from orchproc import orch_env, wait_for
@@ -105,6 +105,7 @@ WORKER = textwrap.dedent("""
 
     run_dir, node, sources = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")
     step_s, peer_notice_at = float(os.environ.get("STEP_S", "0.05")), int(os.environ.get("PEER_NOTICE_AT", "0"))
+    defer, peer_restart_at = bool(os.environ.get("DEFER")), int(os.environ.get("PEER_RESTART_AT", "0"))
 
     class AnnouncesOnce(NoticeSource):  # a cloud metadata service that says it once (as GCP's long-poll may)
         name = "aws"
@@ -116,9 +117,10 @@ WORKER = textwrap.dedent("""
             self.said = True
             return Notice("aws", "spot instance-action terminate", t=123.0)
 
-    pollers = [AnnouncesOnce()] if "aws" in sources else []
+    pollers = [AnnouncesOnce()] if os.environ.get("ANNOUNCE") else []
     mode = sigterm_notice_mode() if "sigterm" in sources else None
-    watcher = PreemptionWatcher(pollers, mode, 0.05, AgentNotices.of_parent(run_dir, node, set(sources))).start()
+    notices = AgentNotices.of_parent(run_dir, node, set(sources))
+    watcher = PreemptionWatcher(pollers, mode, 0.05, notices, defer_restart=defer).start()
     print("ready", flush=True)
     step, deadline = 0, time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -131,6 +133,9 @@ WORKER = textwrap.dedent("""
             time.sleep(1.0)  # the emergency checkpoint
             print("saved", flush=True)
             os._exit(75)
+        if defer and (watcher.restart_requested or step == peer_restart_at):  # what the ranks agreed on
+            print(f"restart agreed at step {step}", flush=True)
+            watcher.leave_for_restart(float(os.environ.get("WAIT_S", "20")))
     print("no notice", flush=True)
 """)
 
@@ -147,7 +152,7 @@ class Worker:
                                      stdout=self.out.open("w"), stderr=self.err.open("w"),
                                      env=orch_env(env), start_new_session=True)
         wait_for(lambda: "ready" in self.out.read_text() or self.proc.poll() is not None, 30, f"{name} to start")
-        assert self.proc.poll() is None, self.err.read_text()
+        assert "ready" in self.out.read_text(), self.err.read_text()
 
     def sigterm_and_wait(self, timeout: float = 10.0) -> tuple[int, float]:
         start = time.monotonic()
@@ -191,6 +196,33 @@ def test_under_orch_a_sigterm_without_notice_is_a_restart_the_worker_leaves_at_o
     assert code == RESTART_EXIT_CODE and took < 2.0
     assert worker.lines() == ["ready"], "no checkpoint, no notice"
     assert RESTART_MESSAGE.decode().strip() in worker.err.read_text()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_agrees_at_step_boundaries_leaves_for_a_restart_at_the_next_one(workers):
+    worker = workers("w", env={**FILE_MODE, "DEFER": "1", "STEP_S": "0.3"})
+    code, took = worker.sigterm_and_wait()
+    assert code == RESTART_EXIT_CODE and took < 2.0
+    assert worker.lines()[-1].startswith("restart agreed at step"), "it finished its step: no broken collective"
+    assert RESTART_MESSAGE.decode().strip() in worker.err.read_text()
+
+
+@pytest.mark.timeout(60)
+def test_after_a_peers_restart_a_worker_leaves_on_its_own_agents_sigterm(workers):
+    worker = workers("w", env={**FILE_MODE, "DEFER": "1", "PEER_RESTART_AT": "3"})
+    wait_for(lambda: worker.lines()[-1].startswith("restart agreed"), 20, "the ranks to agree on a restart")
+    time.sleep(0.5)  # its agent is a monitor tick late
+    assert worker.proc.poll() is None, "it waits for its own agent's SIGTERM"
+    code, took = worker.sigterm_and_wait()
+    assert code == RESTART_EXIT_CODE and took < 2.0
+    assert RESTART_MESSAGE.decode().strip() in worker.err.read_text()
+
+
+@pytest.mark.timeout(60)
+def test_after_a_peers_restart_a_worker_whose_agent_stays_leaves_after_the_wait(workers):
+    worker = workers("w", env={**FILE_MODE, "DEFER": "1", "PEER_RESTART_AT": "3", "WAIT_S": "1"})
+    assert worker.proc.wait(timeout=20) == RESTART_EXIT_CODE
+    assert NO_RESTART_MESSAGE.decode().strip() in worker.err.read_text()
 
 
 @pytest.mark.timeout(60)
@@ -241,9 +273,9 @@ def test_a_notice_given_between_rounds_is_acted_on_by_the_next_workers(tmp_path,
 @pytest.mark.timeout(60)
 def test_a_polled_notice_outlives_a_restart_before_the_step_boundary(tmp_path, workers):
     """A cloud notice seen mid-step, then torchrun restarts the workers: the next ones still act on it."""
-    first = workers("first", sources="sigterm,aws", env={**FILE_MODE, "STEP_S": "20"})
+    first = workers("first", sources="sigterm,aws", env={**FILE_MODE, "STEP_S": "20", "ANNOUNCE": "1"})
     wait_for(lambda: read_notice(tmp_path, NODE, os.getpid()), 10, "the polled notice to be handed over")
     assert first.sigterm_and_wait()[0] == RESTART_EXIT_CODE and first.lines() == ["ready"]
-    second = workers("second", sources="sigterm,aws", env=FILE_MODE)
+    second = workers("second", sources="sigterm,aws", env=FILE_MODE)  # its cloud says nothing more
     assert second.proc.wait(timeout=20) == PREEMPTED_EXIT_CODE
     assert second.acted() == {"acting": 1, "source": "aws", "t": 123.0}

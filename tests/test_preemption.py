@@ -1,18 +1,24 @@
-"""Spot preemption: notices from every source lead to a coordinated emergency checkpoint and zero lost steps."""
+"""Spot preemption: notices from every source lead to a coordinated emergency checkpoint and zero lost steps;
+torchrun restarting the workers (a scale-up) is no notice."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import subprocess
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 from metadata_servers import FakeMetadata
+from orchestrator.preemption import deliver_notice
 from orchestrator.preemption.sources import (AWSSpotSource, AzureScheduledEventsSource, ChaosFileSource,
                                              GCPPreemptedSource)
-from orchproc import read_jsonl, run_orch, start_orch, stop_tree, summary, wait_for
+from orchestrator.preemption.watcher import RESTART_MESSAGE
+from orchestrator.rundir import EVENTS_FILE, METRICS_FILE, NODES_FILE, EventName
+from orchproc import orch_env, read_jsonl, run_orch, start_orch, stop_tree, summary, wait_for
 
 JOB = ["conf=cpu_elastic", "launcher=local", "cluster.nnodes=2", "trainer.max_steps=160", "trainer.log_every=1",
        "checkpoint.every_n_steps=50"]
@@ -75,13 +81,16 @@ def preempt_midrun(tmp_path, args, deliver, min_step=15):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_sigterm_to_an_agent_checkpoints_and_resumes_bit_identical(tmp_path):
+def test_sigterm_notice_to_an_agent_checkpoints_and_resumes_bit_identical(tmp_path):
     reference = tmp_path / "reference"
     done = run_orch("launch", *JOB, f"run.dir={reference}")
     assert done.returncode == 0, done.stderr[-2000:]
 
     def sigterm_node1(run_dir):
-        os.kill(json.loads((run_dir / "nodes.json").read_text())["1"], signal.SIGTERM)
+        # What orch does when it is evicted, for one node: announce the SIGTERM in the notice file, then send it.
+        agent = json.loads((run_dir / NODES_FILE).read_text())["1"]
+        deliver_notice(run_dir, 1, agent, 30.0, source="sigterm", detail="test")
+        os.kill(agent, signal.SIGTERM)
 
     run_dir = preempt_midrun(tmp_path, JOB, sigterm_node1)
     s, events = assert_zero_lost_steps(run_dir, 160)
@@ -137,3 +146,61 @@ def test_hard_kill_without_notice_loses_at_most_every_n_steps(tmp_path):
     assert 0 <= s["goodput"]["lost_steps"] <= every
     counts = steps_trained(run_dir)
     assert sum(c - 1 for c in counts.values()) == s["goodput"]["lost_steps"]
+
+
+def start_agent(node, log: Path) -> subprocess.Popen:
+    """One node's torchrun agent exactly as the plan has it (its argv and its env), outside any launcher."""
+    return subprocess.Popen(node.launch_argv(), env=orch_env(node.env), stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_scale_up_restart_is_no_notice(tmp_path):
+    """torchrun SIGTERMs the workers it restarts when a third node joins: under the plan's env they leave at once,
+    with no preemption_notice and no emergency checkpoint, and the bigger round resumes from a periodic save.
+    Runs the plan's torchrun agents against a RendezvousStore directly, so no launcher decides anything."""
+    from orchestrator.config.compose import compose_config
+    from orchestrator.launch import write_config
+    from orchestrator.plan.plan import build_plan
+    from orchestrator.processes import terminate_tree
+    from orchestrator.rendezvous import RendezvousStore
+
+    run_dir = tmp_path / "run"
+    cfg = compose_config("cpu_elastic", ["launcher=local", "cluster.nnodes=2:3", "trainer.max_steps=100000",
+                                         "checkpoint.every_n_steps=5", f"run.dir={run_dir}"])
+    write_config(cfg, str(run_dir))
+    store = RendezvousStore("127.0.0.1", 0)
+    plan = build_plan(cfg, str(run_dir), "scale-up", store_port=store.port)
+    agents: dict[int, subprocess.Popen] = {}
+
+    def events() -> list[dict]:
+        return read_jsonl(run_dir / EVENTS_FILE)
+
+    def alive() -> None:
+        for node, proc in agents.items():
+            assert proc.poll() is None, (tmp_path / f"node{node}.log").read_text()[-3000:]
+
+    try:
+        for node in (0, 1):
+            agents[node] = start_agent(plan.nodes[node], tmp_path / f"node{node}.log")
+        # Past a periodic checkpoint at world size 2, so the bigger round has one to resume from.
+        wait_for(lambda: alive() or any(m["step"] >= 7 and m["world_size"] == 2
+                                        for m in read_jsonl(run_dir / METRICS_FILE)), 240, "training on 2 nodes")
+        joined_t = events()[-1]["t"]
+        agents[2] = start_agent(plan.nodes[2], tmp_path / "node2.log")
+        wait_for(lambda: alive() or any(e["event"] == EventName.FIRST_STEP and e["world_size"] == 3
+                                        for e in events()), 240, "the first step at world size 3")
+        seen = events()
+        assert not [e for e in seen if e["event"] in (EventName.PREEMPTION_NOTICE, EventName.EMERGENCY_CHECKPOINT,
+                                                      EventName.WORKER_FAILED)], seen
+        loaded = [e for e in seen if e["event"] == EventName.CHECKPOINT_LOADED and e["t"] > joined_t]
+        assert loaded and loaded[-1]["step"] % 5 == 0, "the bigger round resumed from a periodic checkpoint"
+        for node in (0, 1):  # the first round's workers said why they left (torchrun's --tee echoes their stderr)
+            log = (tmp_path / f"node{node}.log").read_text()
+            assert RESTART_MESSAGE.decode().strip() in log, log[-3000:]
+        assert not (run_dir / "notices").exists()
+    finally:
+        for proc in agents.values():
+            terminate_tree(proc.pid, grace_s=10)
+        store.close()

@@ -80,12 +80,13 @@ def test_node_kill_resumes_at_smaller_world_with_every_sample_once(tmp_path):
         stop_tree(proc.pid)
 
     s = summary(run_dir)
-    assert s["status"] == "succeeded" and s["steps_completed"] == 100 and s["world_size_history"] == [2, 1]
+    # Shrunk to 1 after the kill; the controller then fills node 1's slot again and the job grows back.
+    assert s["status"] == "succeeded" and s["steps_completed"] == 100 and s["world_size_history"][:2] == [2, 1]
     events = read_jsonl(run_dir / "events.jsonl")
     kill_t = next(e["t"] for e in events if e["event"] == "chaos_kill")
-    loaded = [e for e in events if e["event"] == "checkpoint_loaded"]
-    assert loaded and loaded[-1]["world_size"] == 1 and loaded[-1]["saved_world_size"] == 2
-    assert loaded[-1]["step"] >= max(e["step"] for e in events if e["event"] == "checkpoint_saved" and e["t"] < kill_t)
+    loaded = [e for e in events if e["event"] == "checkpoint_loaded" and e["t"] > kill_t]
+    assert loaded and loaded[0]["world_size"] == 1 and loaded[0]["saved_world_size"] == 2
+    assert loaded[0]["step"] >= max(e["step"] for e in events if e["event"] == "checkpoint_saved" and e["t"] < kill_t)
 
     # The lineage that produced the final model: for each step, the records of its latest attempt.
     records = [r for rank in (0, 1) for r in read_jsonl(run_dir / "samples" / f"rank{rank}.jsonl")]

@@ -86,11 +86,18 @@ def test_commands_that_change_the_network_need_root(monkeypatch, capsys):
     assert "orch testcluster up needs root" in err and "Fix: run it with sudo" in err and err.count("\n") == 1
 
 
-def test_pytest_plugin_is_registered():
+def test_pytest_plugin_is_opt_in(tmp_path):
     from importlib.metadata import entry_points
 
-    plugins = {ep.name: ep.value for ep in entry_points(group="pytest11")}
-    assert plugins.get("orch_testcluster") == "orchestrator.testcluster.pytest_plugin"
+    assert "orch_testcluster" not in {ep.name for ep in entry_points(group="pytest11")}, "not auto-loaded"
+    (tmp_path / "test_x.py").write_text("def test_x():\n    pass\n")
+
+    def fixtures(*flags):
+        return subprocess.run([sys.executable, "-m", "pytest", "--fixtures", "-p", "no:cacheprovider", *flags,
+                               str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=60).stdout
+
+    assert "testcluster" not in fixtures()
+    assert "testcluster" in fixtures("-p", "orch_testcluster")
 
 
 @pytest.mark.testcluster(nodes=3)

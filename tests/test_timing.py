@@ -1,11 +1,18 @@
-"""StepTimer: phase accounting against a scripted clock, and its comm hook on a real DDP model (gloo, world 1)."""
+"""StepTimer: phase accounting against a scripted clock, and its comm hook on a real DDP model (gloo, world 1);
+StartupTimes: the start-up milestones a worker reports as ``worker_started``."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
-from orchestrator.runtime.timing import NullStepTimer, StepTimer, union_seconds, with_other
+from orchestrator.runtime.timing import (STARTUP_MILESTONES, NullStepTimer, StartupTimes, StepTimer,
+                                        latest_over_ranks, process_start_time, union_seconds, with_other)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -71,3 +78,73 @@ def test_comm_hook_times_real_ddp_buckets_and_keeps_the_gradients():
         assert means["comm_inflight_s"] > 0 and means["comm_s"] >= 0 and means["compute_s"] > 0
     finally:
         dist.destroy_process_group()
+
+
+# -- start-up milestones (what goodput splits a recovery by) ------------------------------------------------
+
+def test_startup_times_mark_milestones_on_their_clock(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    startup = StartupTimes(entry_t=5.0, clock=ScriptedClock(6.0, 7.0))
+    startup.mark("imports")
+    startup.mark("process_group")
+    fields = startup.fields()
+    assert "agent_start_t" not in fields, "outside torchrun the parent is no agent"
+    assert {k: fields[k] for k in ("entry_t", "imports_t", "process_group_t")} == {
+        "entry_t": 5.0, "imports_t": 6.0, "process_group_t": 7.0}
+    assert fields["process_start_t"] <= time.time()
+    with pytest.raises(ValueError, match="unknown start-up milestone 'compile'"):
+        startup.mark("compile")
+
+
+def test_under_torchrun_the_agent_is_the_parent(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    assert StartupTimes().fields()["agent_start_t"] == pytest.approx(process_start_time(os.getppid()), abs=0.05)
+
+
+def test_process_start_time_is_accurate_to_a_tick():
+    from orchestrator.processes import kill_tree
+
+    before = time.time()
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        started = process_start_time(proc.pid)
+        assert before - 0.05 <= started <= time.time() + 0.05
+    finally:
+        kill_tree(proc.pid)
+        proc.wait(timeout=10)
+    assert process_start_time(proc.pid) is None
+
+
+def test_latest_over_ranks_takes_each_milestones_slowest_rank():
+    assert latest_over_ranks([{"model_t": 3.0, "imports_t": 1.0}, {"model_t": 4.0}, None, {"rank": 7}]) == {
+        "model_t": 4.0, "imports_t": 1.0}
+
+
+def test_the_trainer_reports_its_start_up_before_the_first_step(tmp_path, monkeypatch):
+    """In-process, world 1: ``worker_started`` holds every milestone, in order, before ``first_step``."""
+    import torch.distributed as dist
+
+    from orchestrator.config.compose import compose_config
+    from orchestrator.rundir import EventLog
+    from orchestrator.runtime.distributed import DistContext
+    from orchestrator.runtime.trainer import Trainer
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    cfg = compose_config("cpu_gloo", ["trainer.max_steps=2", "trainer.log_every=1", "preemption.sources=[]",
+                                      f"run.dir={tmp_path}", "model.hidden_size=32", "model.num_layers=1"])
+    startup = StartupTimes(entry_t=time.time())
+    for milestone in ("imports", "config"):
+        startup.mark(milestone)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        startup.mark("process_group")
+        events = EventLog(tmp_path)
+        Trainer(cfg, DistContext(0, 1, 0, 1, 0, 0), str(tmp_path), events, startup=startup).fit()
+    finally:
+        dist.destroy_process_group()
+    names = [e["event"] for e in events.read()]
+    assert names.index("worker_started") < names.index("first_step")
+    started = next(e for e in events.read() if e["event"] == "worker_started")
+    times = [started[f"{m}_t"] for m in STARTUP_MILESTONES]
+    assert times == sorted(times), started
+    assert started["world_size"] == 1 and started["step"] == 0

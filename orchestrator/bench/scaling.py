@@ -41,7 +41,7 @@ def parse_world_sizes(text: str) -> list[int]:
 
 def split_bench_args(tokens: list[str]) -> tuple[str, list[int], list[str]]:
     """``conf=NAME``, ``world_sizes=[...]`` and the remaining Hydra overrides."""
-    from orchestrator.cli import split_preset
+    from orchestrator.config.compose import split_preset
 
     sizes = [t.split("=", 1)[1] for t in tokens if t.startswith("world_sizes=")]
     if len(sizes) != 1:

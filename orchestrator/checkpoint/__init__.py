@@ -3,7 +3,7 @@
 Layout: ``<url>/step_<N:09d>/{<payload>.pt..., manifest.json}``. See :mod:`.manager` for the protocol.
 """
 
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointSetupError
 from .inspect import format_checkpoint_detail, format_checkpoint_list
 from .manager import CheckpointInfo, CheckpointManager, LoadedCheckpoint
 from .manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, ManifestError
@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointManager",
+    "CheckpointSetupError",
     "CheckpointStorage",
     "FileEntry",
     "LoadedCheckpoint",

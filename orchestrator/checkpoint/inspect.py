@@ -16,7 +16,7 @@ def format_checkpoint_list(url: str) -> str:
     """A table of every ``step_N`` directory under ``url``: step, valid, size, created, config fingerprint.
 
     Validity here is manifest + sizes (no checksums: that would read every byte); ``inspect`` checks them.
-    Raises ConfigError (a UserError) for an unusable URL.
+    Raises CheckpointSetupError (a UserError, exit 2) for an unusable URL.
     """
     infos = CheckpointManager(url).list()
     if not infos:
@@ -45,10 +45,12 @@ def format_checkpoint_detail(url_or_step_url: str) -> str:
     steps = storage.list_steps()
     if step is None:
         if not steps:
-            raise UserError(f"no checkpoints under {root}")
+            raise UserError(f"no checkpoints under {root}. Fix: check the URL (the one checkpoint.url or the run "
+                            "dir's checkpoints/ names)")
         step = steps[-1]
     elif step not in steps:
-        raise UserError(f"no checkpoint directory {step_dirname(step)} under {root}")
+        raise UserError(f"no checkpoint directory {step_dirname(step)} under {root}. Fix: pick a step that "
+                        f"`orch ckpt list {root}` shows")
     stepdir = step_dirname(step)
     present = storage.list_files(stepdir)
     lines = [f"checkpoint {storage.url_for(stepdir)}"]

@@ -20,9 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from orchestrator.errors import ConfigError
-
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointSetupError
 from .manifest import (
     MANIFEST_NAME,
     FileEntry,
@@ -70,6 +68,11 @@ class LoadedCheckpoint:
     metadata: dict[str, Any]
 
 
+_WRITE_FIX = "check that the URL is reachable and writable from this process (free space, permissions, credentials)"
+_INVALID_FIX = ("load another step (`orch ckpt list URL` marks the valid ones), or load() with no step for the newest "
+                "valid one")
+
+
 class _Unreadable(Exception):
     """A checkpoint that passed the size check but cannot be read back (checksum, missing file, unsafe)."""
 
@@ -92,7 +95,8 @@ class CheckpointManager:
         on_event: EventHook | None = None,
     ):
         if not isinstance(keep_last, int) or keep_last < 1:
-            raise ConfigError("checkpoint.keep_last", keep_last, "set it to 1 or more", "must be an integer >= 1")
+            raise CheckpointSetupError(f"CheckpointManager keep_last={keep_last!r}", "must be an integer >= 1",
+                                       "keep at least 1 checkpoint: keep_last=1 or more")
         self.url = url
         self.keep_last = keep_last
         self.async_save = async_save
@@ -105,18 +109,18 @@ class CheckpointManager:
 
     @property
     def storage(self) -> CheckpointStorage:
-        """The resolved storage (raises ConfigError for an unknown scheme or a missing package)."""
+        """The resolved storage (raises CheckpointSetupError for an unknown scheme or a missing package)."""
         if self._storage is None:
-            self._storage = open_storage(self.url)
+            self._storage = open_storage(self.url, setting=None)
         return self._storage
 
     # -- preflight --------------------------------------------------------------------------------
     def preflight(self) -> None:
         """Check before training that checkpoints can be written to ``url`` (probe write + delete).
 
-        Raises ConfigError (a UserError, exit 2) naming ``checkpoint.url``, the value and the fix.
+        Raises CheckpointSetupError (a UserError, exit 2) naming the URL, the problem and the fix.
         """
-        self._storage = preflight_storage(self.url)
+        self._storage = preflight_storage(self.url, setting=None)
 
     # -- save -------------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], metadata: dict | None = None) -> float:
@@ -135,7 +139,8 @@ class CheckpointManager:
         try:
             json.dumps(metadata, allow_nan=False)
         except (TypeError, ValueError) as e:
-            raise CheckpointError(f"checkpoint metadata for step {step} is not JSON-serializable: {e}") from e
+            raise CheckpointError(f"checkpoint metadata for step {step} is not JSON-serializable: {e}. Fix: pass "
+                                  "metadata made of str, int, finite float, bool, None, lists and dicts") from e
         # The copy is the only part that must block: training mutates parameters in place right after.
         cpu_state = self._staging.stage(state)
         if not self.async_save:
@@ -158,7 +163,8 @@ class CheckpointManager:
             step, err = self._failure
             self._failure = None
             raise CheckpointError(
-                f"background checkpoint save of step {step} to {self.url} failed: {type(err).__name__}: {err}"
+                f"background checkpoint save of step {step} to {self.url} failed: {type(err).__name__}: {err}. "
+                f"Fix: {_WRITE_FIX}"
             ) from err
 
     def _join(self) -> None:
@@ -203,7 +209,7 @@ class CheckpointManager:
                 "step": step, "error": f"{type(e).__name__}: {e}", "async": is_async, "url": self.url,
             })
             raise CheckpointError(
-                f"checkpoint save of step {step} to {self.url} failed: {type(e).__name__}: {e}"
+                f"checkpoint save of step {step} to {self.url} failed: {type(e).__name__}: {e}. Fix: {_WRITE_FIX}"
             ) from e
         write_s = time.perf_counter() - t0
         if stall_s is None:
@@ -284,15 +290,18 @@ class CheckpointManager:
         """
         self._join()
         if step is not None:
-            if step not in self.storage.list_steps():
-                raise CheckpointError(f"no checkpoint at step {step} under {self.url}")
+            steps = self.storage.list_steps()
+            if step not in steps:
+                fix = (f"load one of the steps there ({', '.join(map(str, steps[-10:]))}), or load() with no step "
+                       "for the newest valid one") if steps else "check the URL: nothing was saved under it"
+                raise CheckpointError(f"no checkpoint at step {step} under {self.url}. Fix: {fix}")
             info, manifest = self._inspect(step)
             if manifest is None:
-                raise CheckpointError(f"checkpoint {info.url} is not valid: {info.reason}")
+                raise CheckpointError(f"checkpoint {info.url} is not valid: {info.reason}. Fix: {_INVALID_FIX}")
             try:
                 return self._read(manifest)
             except _Unreadable as e:
-                raise CheckpointError(f"checkpoint {info.url} is not valid: {e}") from e
+                raise CheckpointError(f"checkpoint {info.url} is not valid: {e}. Fix: {_INVALID_FIX}") from e
         for candidate in reversed(self.storage.list_steps()):
             info, manifest = self._inspect(candidate)
             try:
@@ -341,9 +350,11 @@ class CheckpointManager:
 
 def _check_payload_names(state: dict) -> None:
     if not isinstance(state, dict) or not state:
-        raise CheckpointError("checkpoint state must be a non-empty dict of payload name -> object")
+        raise CheckpointError("checkpoint state must be a non-empty dict of payload name -> object, e.g. "
+                              "{'model': model.state_dict()}")
     for name in state:
         if not isinstance(name, str) or not _PAYLOAD_NAME_RE.match(name) or name + PAYLOAD_SUFFIX == MANIFEST_NAME:
             raise CheckpointError(
-                f"checkpoint payload name {name!r} is not usable as a file name (letters, digits, _ . -)"
+                f"checkpoint payload name {name!r} is not usable as a file name. Fix: name payloads with letters, "
+                "digits, _ . - that start with a letter or digit"
             )

@@ -46,6 +46,15 @@ def list_groups() -> dict[str, list[str]]:
     }
 
 
+def split_preset(tokens: Sequence[str]) -> tuple[str, list[str]]:
+    """``conf=NAME`` picks the preset; every other token is a Hydra override, passed through untouched."""
+    presets = [t.split("=", 1)[1] for t in tokens if t.startswith("conf=")]
+    if len(presets) != 1:
+        raise UserError(f"conf={'|'.join(presets) or '(missing)'}: give exactly one conf=NAME. "
+                        f"Fix: orch launch conf=NAME with NAME one of {', '.join(list_presets())}")
+    return presets[0], [t for t in tokens if not t.startswith("conf=")]
+
+
 def compose_dictconfig(preset: str, overrides: Sequence[str] = ()) -> DictConfig:
     """Run Hydra's compose for ``preset`` with ``overrides``; raise ConfigError on anything Hydra rejects."""
     if preset not in list_presets():

@@ -33,7 +33,8 @@ POLL_S = 0.2
 SCALE_INTERVAL_S = 1.0
 STOP_GRACE_S = 10.0
 STOP_TIMEOUT_S = 60.0
-EXIT_BARRIER_GRACE_S = 10.0  # training done, yet an agent waits in torchrun's exit barrier for a departed peer
+EXIT_BARRIER_GRACE_S = 10.0  # training done and a peer gone, yet an agent waits in torchrun's exit barrier for it
+EXIT_TIMEOUT_S = 120.0  # training done, and no agent has exited at all: stop them (a peer died after the last step)
 
 
 @dataclass
@@ -97,6 +98,7 @@ class Controller:
         self._next_scale = 0.0
         self._stop_deadline = 0.0
         self._lingering_stopped = False
+        self._first_exit_after_training: Optional[float] = None
         self.state: State = SCHEDULING
 
     # -- the loop ---------------------------------------------------------------------------------------------
@@ -252,9 +254,13 @@ class Controller:
         return True
 
     def _stop_lingering_agents(self) -> None:
+        """torchrun's exit barrier waits 300 s (not configurable) for a peer that left after the last step.
+        Once one agent has exited, the others get EXIT_BARRIER_GRACE_S to follow; with none gone, workers may
+        still be writing their last checkpoint on a loaded machine, so they get EXIT_TIMEOUT_S."""
+        now = self.clock.monotonic()
+        since = now - (self._first_exit_after_training or self.training_finished)
         if (not self._lingering_stopped and self._by_id
-                and self.clock.monotonic() - self.training_finished > EXIT_BARRIER_GRACE_S):
-            # torchrun's exit barrier waits 300 s (not configurable) for a peer that left after the last step.
+                and since > (EXIT_BARRIER_GRACE_S if self._first_exit_after_training else EXIT_TIMEOUT_S)):
             self._lingering_stopped = True
             self.events.emit(EventName.AGENTS_STOPPED, reason="training finished; agents still waiting on departed peers")
             self._stop_all(STOP_GRACE_S, agent_only=False)
@@ -369,6 +375,8 @@ class Controller:
             self.events.emit(EventName.NODE_START_FAILED, node=exit.node, ray_node=agent.node_id, reason=exit.detail)
             return None
         self.exit_codes[exit.node] = exit.exit_code
+        if self.training_finished is not None and self._first_exit_after_training is None:
+            self._first_exit_after_training = self.clock.monotonic()
         noticed = self._noticed(exit.node, since=agent.requested_t)
         explained = None if noticed or agent.stopping else self.hooks.explain_exit(exit.node, exit.exit_code,
                                                                                    agent.requested_t)

@@ -12,6 +12,9 @@ A notice is ``<run dir>/notices/node<N>-<agent pid>.json``, ``{"t", "grace_s", "
   this SIGTERM is a preemption notice;
 - ``chaos`` notices are also polled by local rank 0 (the ``chaos`` source), since no signal comes with them.
 
+Workers write one too: a notice a cloud metadata source announced (perhaps only once) is handed over to the
+agent's file (:meth:`AgentNotices.hand_over`), so that it outlives a restart of the workers that saw it.
+
 The agent PID in the name keeps a replacement agent for the same node index from acting on its predecessor's
 notice. Imports nothing from torch, Ray or a launcher.
 """

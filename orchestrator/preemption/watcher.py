@@ -10,11 +10,19 @@ membership change (a node joined or left). ``sigterm_mode`` says how to tell the
 - ``always`` (a bare torchrun; nothing else tells them apart): every SIGTERM is a notice;
 - ``file`` (under orch's launcher, ``ORCH_SIGTERM_NOTICE=file``): a SIGTERM is a notice only when this worker's
   agent has a ``sigterm`` notice file (orch writes it before it forwards SIGTERM, see notices.py). Otherwise
-  torchrun is restarting the workers: the worker leaves at once, without a checkpoint or an event, unless it
-  is already saving on a notice. A notice of another source that it held but had not acted on yet is not
-  lost: it is in the agent's notice file (chaos drills write one; a polled cloud notice is handed over to one,
-  since a metadata service may announce it only once), which outlives the workers: the next ones read it at
-  start-up and act on it at their first step boundary.
+  torchrun is restarting the workers: no checkpoint, no event, the worker leaves, unless it is already saving
+  on a notice. A notice of another source that it held but had not acted on yet is not lost: it is in the
+  agent's notice file (chaos drills write one; a polled cloud notice is handed over to one, since a metadata
+  service may announce it only once), which outlives the workers: the next ones read it at start-up and act
+  on it at their first step boundary.
+
+Leaving on a restart: each agent notices a joining node on its own monitor tick, so the workers of a round get
+their SIGTERMs up to a tick or more apart. A worker that left at once would break the collective its peers are
+in, and they would fail (``worker_failed``, a restart spent) before their own agent restarts them. A caller that
+agrees at every step boundary (``defer_restart``: the built-in trainer) therefore only records the SIGTERM
+(``restart_requested``), agrees with the other ranks at the next boundary, and then every rank leaves through
+:meth:`PreemptionWatcher.leave_for_restart` as its own SIGTERM arrives. Without ``defer_restart`` (no step
+boundary to agree at) the worker leaves inside the handler.
 """
 
 from __future__ import annotations
@@ -23,7 +31,8 @@ import os
 import signal
 import sys
 import threading
-from typing import Optional
+import time
+from typing import NoReturn, Optional
 
 from orchestrator.preemption.notices import (SIGTERM_NOTICE_ALWAYS, SIGTERM_NOTICE_FILE, SIGTERM_SOURCE,
                                              AgentNotices, Notice)
@@ -32,22 +41,30 @@ from orchestrator.preemption.sources import NoticeSource
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: try again later, elsewhere
 RESTART_EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a SIGTERM death: torchrun only waits for it
 RESTART_MESSAGE = b"[orch] SIGTERM without a preemption notice: torchrun is restarting the workers; leaving now\n"
+NO_RESTART_MESSAGE = (b"[orch] another rank left on a SIGTERM without notice, but this worker's agent sent it none: "
+                      b"a node is leaving; leaving too so the agent starts a new round\n")
 
 
 class PreemptionWatcher:
     """Collects notices from ``sources`` (polled in a daemon thread), from ``notices`` (this worker's agent's
     notice file, read once at :meth:`start` and, in ``file`` mode, on SIGTERM) and from SIGTERM per
     ``sigterm_mode``: ``always``, ``file`` (see the module docstring) or None (SIGTERM keeps its default
-    action). ``notice`` is the first notice seen; it never changes after."""
+    action). ``notice`` is the first notice seen; it never changes after. ``defer_restart``: the caller agrees on
+    ``restart_requested`` with the other ranks at every step boundary and then calls :meth:`leave_for_restart`
+    (see the module docstring); until :meth:`stop`."""
 
     def __init__(self, sources: list[NoticeSource], sigterm_mode: Optional[str], poll_interval_s: float,
-                 notices: Optional[AgentNotices] = None):
+                 notices: Optional[AgentNotices] = None, defer_restart: bool = False):
         if sigterm_mode not in (None, SIGTERM_NOTICE_ALWAYS, SIGTERM_NOTICE_FILE):
             raise ValueError(f"sigterm_mode={sigterm_mode!r}: use None, {SIGTERM_NOTICE_ALWAYS!r} or "
                              f"{SIGTERM_NOTICE_FILE!r}")
         self.sources, self.sigterm_mode, self.poll_interval_s = sources, sigterm_mode, poll_interval_s
         self.notices = notices
         self.notice: Optional[Notice] = None
+        self.restart_requested = False
+        """This worker got a SIGTERM that is no notice (``file`` mode, ``defer_restart``): torchrun restarts it."""
+        self._defer_restart = defer_restart
+        self._restart_agreed = False
         self._acting = False
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -65,7 +82,9 @@ class PreemptionWatcher:
         return self
 
     def stop(self) -> None:
+        """Stop polling; no step boundary comes any more, so a SIGTERM that is no notice ends the worker at once."""
         self._stop.set()
+        self._defer_restart = False
 
     @property
     def noticed(self) -> bool:
@@ -75,6 +94,19 @@ class PreemptionWatcher:
         """The worker is saving and leaving on a notice (its own or another rank's): from now on a SIGTERM that
         is no notice does not end it early; the emergency checkpoint is worth more than a prompt restart."""
         self._acting = True
+
+    def leave_for_restart(self, wait_s: float) -> NoReturn:
+        """The ranks agreed at a step boundary that torchrun is restarting the workers (some rank got its SIGTERM):
+        leave as soon as this worker's own SIGTERM comes (at once if it came already), without a checkpoint. If
+        none comes within ``wait_s``, this agent is not restarting: a peer node is leaving, and the round is
+        broken all the same, so leave anyway and let the agent start a new one."""
+        self._restart_agreed = True
+        if self.restart_requested:
+            self._leave(RESTART_MESSAGE, RESTART_EXIT_CODE)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            time.sleep(0.05)  # the SIGTERM handler leaves from inside this sleep
+        self._leave(NO_RESTART_MESSAGE, RESTART_EXIT_CODE)
 
     def _take(self, notice: Optional[Notice]) -> None:
         if notice is not None and self.notice is None:
@@ -90,19 +122,22 @@ class PreemptionWatcher:
         if notice is not None and notice.source == SIGTERM_SOURCE:
             self._take(notice)
             return
-        self._leave_for_restart(signum)
+        if self._defer_restart and not self._restart_agreed:
+            self.restart_requested = True  # the next step boundary tells every rank
+            return
+        self._leave(RESTART_MESSAGE, 128 + signum)
 
     @staticmethod
-    def _leave_for_restart(signum: int) -> None:
-        """torchrun is restarting the workers: nothing to save, and its next round waits for this exit, so skip
-        the interpreter's teardown (1-2 s of torch module and process-group finalizers on a busy node)."""
-        os.write(2, RESTART_MESSAGE)  # not print(): the handler may have interrupted a write to sys.stderr
+    def _leave(message: bytes, code: int) -> NoReturn:
+        """Leave for a restart: nothing to save, and torchrun's next round waits for this exit, so skip the
+        interpreter's teardown (1-2 s of torch module and process-group finalizers on a busy node)."""
+        os.write(2, message)  # not print(): a signal handler may have interrupted a write to sys.stderr
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except Exception:  # a reentrant flush from inside a handler: what it held is lost, never the exit
                 pass
-        os._exit(128 + signum)
+        os._exit(code)
 
     def _hand_over(self, notice: Notice) -> None:
         if self.notices is None:

@@ -104,3 +104,43 @@ def write_summary(run_dir: str | Path) -> dict[str, Any]:
     summary = build_summary(run_dir)
     (Path(run_dir) / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def format_summary(summary: dict, run_dir: str) -> str:
+    """The summary as ``orch launch`` prints it: one outcome line, indented details, then the run dir."""
+    if not summary["world_size_history"] and not summary["steps_completed"]:  # a user entrypoint: no training events
+        wall = f" in {summary['wall_s']:.1f} s" if summary.get("wall_s") else ""
+        return f"run {summary['status']}{wall} (user entrypoint: its own output is in the logs)\nrun dir: {run_dir}"
+    loss = summary.get("final_loss")
+    first = summary.get("first_loss")
+    parts = [f"run {summary['status']}: {summary['steps_completed']} steps",
+             f"loss {first:.4f} -> {loss:.4f}" if loss is not None and first is not None else "",
+             f"world size {'->'.join(map(str, summary['world_size_history']))}" if summary["world_size_history"] else "",
+             f"{summary['samples_per_s']:.1f} samples/s" if summary.get("samples_per_s") else "",
+             f"{summary['wall_s']:.1f} s" if summary.get("wall_s") else ""]
+    details = "".join(f"\n  {line}" for line in summary_details(summary))
+    return ", ".join(p for p in parts if p) + details + f"\nrun dir: {run_dir}"
+
+
+def summary_details(summary: dict) -> list[str]:
+    """Step-time breakdown, scaling efficiency, recoveries and goodput, where the summary has them."""
+    lines = []
+    step = summary.get("step_time")
+    if step and step.get("step_time_s"):
+        shares = sorted(((k.removesuffix("_s"), v / step["step_time_s"]) for k, v in step.items()
+                         if k in ("data_s", "compute_s", "comm_s", "optimizer_s", "checkpoint_s", "other_s")),
+                        key=lambda kv: -kv[1])
+        lines.append(f"step time {1e3 * step['step_time_s']:.1f} ms: " + ", ".join(f"{k} {v:.0%}" for k, v in shares))
+    scaling = summary.get("scaling_efficiency")
+    if scaling:
+        effs = ", ".join(f"{v:.2f} at world size {k}" for k, v in scaling["by_world_size"].items()
+                         if int(k) != scaling["baseline_world_size"])
+        lines.append(f"scaling efficiency {effs} (against world size {scaling['baseline_world_size']} in this run)")
+    if summary.get("recoveries"):
+        mttrs = ", ".join(f"{r['mttr_s']:.1f} s" for r in summary["recoveries"])
+        lines.append(f"recoveries {len(summary['recoveries'])}: MTTR {mttrs}")
+    goodput = summary.get("goodput")
+    if goodput:
+        badput = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in (goodput.get("badput") or {}).items() if v >= 0.05)
+        lines.append(f"goodput {goodput['goodput']:.1%}" + (f" (badput: {badput})" if badput else ""))
+    return lines

@@ -7,8 +7,9 @@ async save in flight), and exits with PREEMPTED_EXIT_CODE. The noticed node also
 the other nodes' agents restart their workers, which re-rendezvous and resume from that checkpoint.
 
 How SIGTERM is read comes from ``ORCH_SIGTERM_NOTICE`` (see orchestrator/preemption/watcher.py): under orch's
-launcher only a SIGTERM that orch announced in the agent's notice file is a notice; torchrun's SIGTERM to the
-workers it restarts makes them leave at once, without a checkpoint.
+launcher only a SIGTERM that orch announced in the agent's notice file is a notice. torchrun's SIGTERM to the
+workers it restarts is agreed on at the same step boundary, in the same all-reduce, and every rank then leaves
+without a checkpoint as its own agent's SIGTERM arrives, so no rank breaks a collective its peers are still in.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ if TYPE_CHECKING:
     from orchestrator.runtime.trainer import Trainer
 
 
+# How long the ranks whose agent has not restarted them yet wait for its SIGTERM once another rank got its own:
+# an agent sees a joining node on its next monitor tick (0.5 s in orch's plan), later on a busy machine.
+RESTART_WAIT_S = 5.0
+
+
 class PreemptedExit(SystemExit):
     """Raised after the emergency checkpoint: the worker exits with PREEMPTED_EXIT_CODE."""
 
@@ -51,7 +57,7 @@ class PreemptionResponse:
         pollers = build_sources(cfg.sources, cfg, trainer.run_dir, self.node) if trainer.ctx.local_rank == 0 else []
         mode = sigterm_notice_mode() if SIGTERM_SOURCE in cfg.sources else None
         notices = AgentNotices.of_parent(trainer.run_dir, self.node, set(cfg.sources))
-        self.watcher = PreemptionWatcher(pollers, mode, cfg.poll_interval_s, notices).start()
+        self.watcher = PreemptionWatcher(pollers, mode, cfg.poll_interval_s, notices, defer_restart=True).start()
         self._reported = False
 
     def stop(self) -> None:
@@ -63,11 +69,16 @@ class PreemptionResponse:
             self._reported = True
             self.trainer.events.emit(EventName.PREEMPTION_NOTICE, node=self.node, source=notice.source,
                                      detail=notice.detail, step=self.trainer.progress.step, notice_t=notice.t)
-        earliest = torch.tensor([notice.t if notice else math.inf], dtype=torch.float64, device=self.trainer.device)
-        dist.all_reduce(earliest, op=dist.ReduceOp.MIN)
-        if math.isfinite(earliest.item()):
+        # One all-reduce for both questions: the earliest notice, and whether any rank is being restarted (-1).
+        flags = torch.tensor([notice.t if notice else math.inf, -1.0 if self.watcher.restart_requested else 0.0],
+                             dtype=torch.float64, device=self.trainer.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        earliest, restart = flags.tolist()
+        if math.isfinite(earliest):  # a notice wins: every rank is still here to save
             self.watcher.mark_acting()  # a SIGTERM from a torchrun restart no longer cuts the save short
-            self._save_and_leave(earliest.item())
+            self._save_and_leave(earliest)
+        if restart < 0:
+            self.watcher.leave_for_restart(RESTART_WAIT_S)
 
     def _save_and_leave(self, notice_t: float) -> None:
         t, cfg = self.trainer, self.trainer.cfg.preemption

@@ -24,12 +24,18 @@ phase that first synchronizes with it. The breakdown is exact on CPU, indicative
 
 Cost: a handful of ``perf_counter`` calls per step and one Python callback per bucket; ``orch bench
 overhead`` measures it (``timing_overhead``).
+
+Start-up is timed too, once per worker process, by :class:`StartupTimes`: unix times (``time.time``) at
+which each phase of a worker's start ended, from its torchrun agent's start to the first step. Rank 0 writes
+their latest value over all ranks as one ``worker_started`` event per attempt; goodput
+(``orchestrator/report/goodput.py``) splits the time between an interruption and the next first step by them.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:  # torch is imported where it is used: reports read PHASES without loading torch
     import torch
@@ -146,3 +152,78 @@ def with_other(means: dict[str, float], step_time_s: float) -> dict[str, float]:
 def timer_for(device: "torch.device") -> StepTimer:
     """The step timer of a trainer on ``device`` (in-flight comm times only where the host clock sees them)."""
     return StepTimer(inflight=device.type == "cpu")
+
+
+STARTUP_MILESTONES = ("agent_start", "process_start", "entry", "imports", "config", "process_group", "model",
+                      "restore", "ready")
+"""A worker's start-up, in order; ``StartupTimes`` records ``<milestone>_t`` for each:
+
+- ``agent_start``: its torchrun agent process started (under torchrun only).
+- ``process_start``: the worker process started (torchrun spawns workers when its rendezvous round is done).
+- ``entry``: the entry module began to run, before its heavy imports (the interpreter is up).
+- ``imports``: torch, hydra and orch are imported.
+- ``config``: the run's config is loaded.
+- ``process_group``: the process group is initialized (every rank has joined it).
+- ``model``: model, DDP wrapper, optimizer and dataset are built.
+- ``restore``: the checkpoint to resume from is loaded (or none was found).
+- ``ready``: the data loader is built; the first step starts next.
+"""
+
+
+def process_start_time(pid: Optional[int] = None) -> Optional[float]:
+    """Unix time at which process ``pid`` (default: this one) started; None if it cannot be told.
+
+    On Linux from /proc: the start tick against /proc/uptime, to ~10 ms (psutil's ``create_time`` adds the
+    boot time, which /proc/stat rounds to whole seconds). Elsewhere psutil's ``create_time``."""
+    try:
+        with open(f"/proc/{pid or 'self'}/stat") as f:
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22; the fields after ")" start at 3
+        with open("/proc/uptime") as f:
+            uptime, now = float(f.read().split()[0]), time.time()
+        return now - (uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        try:
+            import psutil
+
+            return psutil.Process(pid).create_time()
+        except Exception:  # no such process, no psutil, no permission: the time is simply unknown
+            return None
+
+
+class StartupTimes:
+    """When each phase of this worker's start-up ended (:data:`STARTUP_MILESTONES`), in unix seconds.
+
+    Created at the top of the worker's ``main`` (it reads the agent's and its own process start times then);
+    ``entry_t`` is the time the entry module started, taken before its heavy imports. :meth:`mark` records a
+    milestone now; :meth:`fields` returns ``{"<milestone>_t": t}`` for those known."""
+
+    def __init__(self, entry_t: Optional[float] = None, clock: Callable[[], float] = time.time):
+        self._clock = clock
+        self.times: dict[str, float] = {}
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # the parent is torchrun's agent only under torchrun
+            self._known("agent_start", process_start_time(os.getppid()))
+        self._known("process_start", process_start_time())
+        self._known("entry", entry_t)
+
+    def _known(self, milestone: str, t: Optional[float]) -> None:
+        if t is not None:
+            self.times[f"{milestone}_t"] = t
+
+    def mark(self, milestone: str) -> None:
+        """``milestone`` (one of :data:`STARTUP_MILESTONES`) ended now."""
+        if milestone not in STARTUP_MILESTONES:
+            raise ValueError(f"unknown start-up milestone {milestone!r}; known: {', '.join(STARTUP_MILESTONES)}")
+        self.times[f"{milestone}_t"] = self._clock()
+
+    def fields(self) -> dict[str, float]:
+        return dict(self.times)
+
+
+def latest_over_ranks(per_rank: list[dict[str, Any]]) -> dict[str, float]:
+    """Each milestone's latest time over ranks: a phase is over for the job when its slowest rank is done."""
+    latest: dict[str, float] = {}
+    for times in per_rank:
+        for key, t in (times or {}).items():
+            if key.endswith("_t") and isinstance(t, (int, float)):
+                latest[key] = max(t, latest.get(key, t))
+    return latest

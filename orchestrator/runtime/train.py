@@ -1,11 +1,15 @@
 """Entry point of every built-in worker: ``python -m orchestrator.runtime.train --config RUN_DIR/config.yaml``.
 
 torchrun starts it once per rank. It reads the run's resolved config, joins the process group, trains,
-and reports: rank 0 writes ``rendezvous_complete``/``restart``/``training_finished`` events, and any rank
-that fails writes ``worker_failed`` with its traceback so the launcher can name the root-cause rank.
+and reports: rank 0 writes ``rendezvous_complete``/``restart``/``worker_started``/``training_finished`` events,
+and any rank that fails writes ``worker_failed`` with its traceback so the launcher can name the root-cause rank.
 """
 
 from __future__ import annotations
+
+import time
+
+ENTRY_T = time.time()  # before the heavy imports below: start-up timing tells interpreter start from imports
 
 import argparse
 import os
@@ -20,6 +24,7 @@ from orchestrator.config.compose import load_run_config
 from orchestrator.rundir import EventLog
 from orchestrator.runtime.distributed import DistContext, init_process_group
 from orchestrator.runtime.preemption import PreemptedExit
+from orchestrator.runtime.timing import StartupTimes
 from orchestrator.runtime.trainer import Trainer
 
 
@@ -30,16 +35,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     run_dir = os.environ.get("ORCH_RUN_DIR") or str(Path(args.config).parent)
     events, ctx = EventLog(run_dir), DistContext.from_env()
+    startup = StartupTimes(entry_t=ENTRY_T)  # rank 0 reports it as worker_started, just before the first step
+    startup.mark("imports")
     try:
         cfg = load_run_config(args.config)
+        startup.mark("config")
         init_process_group(ctx, cfg.backend.name, cfg.backend.timeout_s)
+        startup.mark("process_group")
         if ctx.is_main:
             events.emit("rendezvous_complete", world_size=ctx.world_size, restart_count=ctx.restart_count,
                         nnodes=ctx.world_size // ctx.local_world_size)
             if ctx.restart_count:
                 events.emit("restart", restart_count=ctx.restart_count, world_size=ctx.world_size,
                             reason="workers restarted by the torchrun agent")
-        Trainer(cfg, ctx, run_dir, events).fit()
+        Trainer(cfg, ctx, run_dir, events, startup=startup).fit()
     except PreemptedExit as exc:
         # Not a failure: the launcher reads the exit code as "preempted". The emergency checkpoint is committed
         # and every rank passed the barrier after it; events and samples are appended line by line. Leave now:

@@ -24,7 +24,7 @@ from orchestrator.runtime.distributed import DistContext, select_device
 from orchestrator.runtime.precision import MixedPrecision
 from orchestrator.runtime.preemption import PreemptionResponse
 from orchestrator.runtime.sampler import GlobalBatchSampler
-from orchestrator.runtime.timing import StepTimer, timer_for, with_other
+from orchestrator.runtime.timing import StartupTimes, StepTimer, latest_over_ranks, timer_for, with_other
 
 
 DDP_PARAMS = inspect.signature(DDP.__init__).parameters
@@ -55,11 +55,15 @@ def seed_everything(seed: int) -> None:
 
 class Trainer:
     """Trains ``cfg.model`` on ``cfg.data`` for ``cfg.trainer.max_steps`` optimizer steps in the current
-    process group. Rank 0 writes metrics.jsonl and the run's training events into ``run_dir``."""
+    process group. Rank 0 writes metrics.jsonl and the run's training events into ``run_dir``.
+
+    ``startup``: the worker's start-up times so far (the entry point's); the trainer adds its own milestones
+    and rank 0 reports them all as ``worker_started`` before the first step."""
 
     def __init__(self, cfg: OrchConfig, ctx: DistContext, run_dir: str, events: EventLog,
-                 timer: Optional[StepTimer] = None):
+                 timer: Optional[StepTimer] = None, startup: Optional[StartupTimes] = None):
         self.cfg, self.ctx, self.run_dir, self.events = cfg, ctx, run_dir, events
+        self.startup = startup or StartupTimes()
         self.device = select_device(cfg.cluster.device, ctx.local_rank)
         self.timer = timer or timer_for(self.device)  # per-step time breakdown (runtime/timing.py)
         seed_everything(cfg.trainer.seed)  # identical init on every rank, before DDP's broadcast makes sure
@@ -73,6 +77,7 @@ class Trainer:
         self.checkpoints = TrainingCheckpoints(self, cfg.checkpoint.url or f"{run_dir}/checkpoints")
         self.preemption = PreemptionResponse(self)
         self.last_loss: Optional[float] = None
+        self.startup.mark("model")
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         if self.cfg.trainer.compile:
@@ -107,10 +112,13 @@ class Trainer:
         """Train to max_steps; returns what rank 0 reports as the training result."""
         t = self.cfg.trainer
         self.checkpoints.restore()
+        self.startup.mark("restore")
         sampler, loader = self._loader()
         batches = iter(loader)
         print(f"[rank{self.ctx.rank}] world size {self.ctx.world_size}, {sampler.accumulation_steps} accumulation "
               f"step(s), device {self.device}, starting at step {self.progress.step}", flush=True)
+        self.startup.mark("ready")
+        self._report_startup()
         anomaly = torch.autograd.set_detect_anomaly(True) if t.detect_anomaly else contextlib.nullcontext()
         window_start, window_steps = time.perf_counter(), 0
         first_step = self.progress.step + 1
@@ -133,6 +141,16 @@ class Trainer:
                     window_start, window_steps = now, 0
                 self.after_step()
         return self.finish()
+
+    def _report_startup(self) -> None:
+        """Rank 0 writes ``worker_started``: each start-up milestone's latest time over all ranks (goodput splits
+        a recovery by them). One small all_gather per attempt; the first step would wait for the slowest rank
+        anyway."""
+        per_rank: list[Any] = [None] * self.ctx.world_size
+        dist.all_gather_object(per_rank, self.startup.fields())
+        if self.ctx.is_main:
+            self.events.emit("worker_started", world_size=self.ctx.world_size, restart_count=self.ctx.restart_count,
+                             step=self.progress.step, **latest_over_ranks(per_rank))
 
     def train_step(self, batches, accumulation_steps: int) -> tuple[torch.Tensor, list[int]]:
         """One optimizer step over ``accumulation_steps`` micro-batches; DDP all-reduces only on the last."""

@@ -1,4 +1,5 @@
-"""pytest plugin (entry point ``pytest11: orch_testcluster``): the ``testcluster`` fixture.
+"""pytest plugin (opt-in: ``pytest -p orch_testcluster`` or ``pytest_plugins = ["orch_testcluster"]``): the
+``testcluster`` fixture.
 
     def test_allreduce_across_hosts(testcluster):            # 3 hosts by default
         result = subprocess.run(["orch", "launch", "conf=cpu_gloo", *testcluster.launch_overrides(),
@@ -13,7 +14,7 @@ The fixture yields a ``TestCluster`` (``nodes``, ``addresses``, ``hostnames``, `
 ``partition``/``heal``/``kill``, ``run(node, *argv)``, ``pids(node)``) and always removes the cluster
 afterwards, test failed or not. Where namespaces cannot be made (not root, no iproute2, a sandbox that
 forbids them) the test is skipped with a one-line reason. Importing this module is cheap and has no
-side effects: pytest loads it in every session once orch is installed.
+side effects.
 """
 
 from __future__ import annotations
