@@ -79,14 +79,21 @@ def test_user_script_entrypoint_runs_under_the_plans_torchrun(tmp_path):
     assert seen[0]["env"]["TORCHELASTIC_RUN_ID"].startswith("cpu_gloo-")
 
 
-def test_user_code_failure_names_the_root_cause_rank(tmp_path):
+def test_user_code_failure_exhausts_max_failures_and_names_the_root_cause_rank(tmp_path):
+    """The same budget as under launcher=ray (test_ray_launch.py): one restart of every node, then exit 1
+    naming the budget and the root-cause rank."""
     run_dir = tmp_path / "run"
     result = run_orch("launch", "conf=cpu_gloo", LOCAL, *FAST, "cluster.max_restarts=0", "model._target_=testmodels.FailingMLM",
-                      "+model.fail_rank=1", f"run.dir={run_dir}")
+                      "+model.fail_rank=1", "failure.max_failures=1", f"run.dir={run_dir}")
     assert result.returncode == 1
-    assert "root cause rank 1" in result.stderr and "ValueError: deliberate bug in user code" in result.stderr
+    error = result.stderr.strip().splitlines()[-1]
+    assert "failure.max_failures=1" in error and "root cause rank 1" in error
+    assert "ValueError: deliberate bug in user code" in error
     s = summary(run_dir)
     assert s["status"] == "failed" and s["root_cause"]["rank"] == 1
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert [e["scope"] for e in events if e["event"] == "restart" and "scope" in e] == ["every node"]
+    assert len({e["rdzv_id"] for e in events if e["event"] == "node_joined"}) == 2, "the restart used a fresh rendezvous"
     # The root cause names orch's node (whose log holds the traceback), not torchrun's group rank.
     assert "deliberate bug in user code" in (run_dir / "logs" / f"node{s['root_cause']['node']}.log").read_text()
 
@@ -120,3 +127,19 @@ def test_killing_a_simulated_node_leaves_store_and_survivor_alive(tmp_path):
     replaced = next(e for e in after if e["event"] == "node_started" and e["node"] == 1)
     assert replaced["replacement"] and replaced["t"] > recovered["t"], "growth waits until the survivors step again"
     assert {e["node"] for e in after if e["event"] == "node_finished"} == {0, 1}
+
+
+def test_a_script_that_fails_the_same_way_every_time_stops_after_the_second_failure(tmp_path):
+    """failure.max_failures=5 would allow five restarts; the second identical failure ends the run, naming it."""
+    script = tmp_path / "broken.py"
+    script.write_text("import os\nif os.environ['RANK'] == '1':\n    raise KeyError('no column \"label\" in batch')\n")
+    run_dir = tmp_path / "run"
+    result = run_orch("launch", "conf=cpu_gloo", LOCAL, f"entrypoint.script={script}", "cluster.max_restarts=0",
+                      "failure.max_failures=5", f"run.dir={run_dir}")
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    error = result.stderr.strip().splitlines()[-1]
+    assert "the same failure on two attempts in a row" in error and "KeyError: 'no column \"label\" in batch'" in error
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert len([e for e in events if e["event"] == "restart"]) == 1
+    [stopped] = [e for e in events if e["event"] == "deterministic_failure"]
+    assert stopped["node"] == 1 and stopped["attempts"] == 2

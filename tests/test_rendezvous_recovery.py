@@ -24,7 +24,8 @@ from orchproc import read_jsonl, start_orch, stop_tree, summary, wait_for
 
 pytestmark = pytest.mark.slow
 
-MAX_STEPS = 3000
+MAX_STEPS = 600
+"""Long enough that the drill (about 150 steps here) ends well before training does."""
 RECOVERY_BOUND_S = 30.0
 """Survivors train again this soon after the joiner died. orch's usual time to recover is ~7 s here; without
 the reopen they waited for backend.timeout_s (29 s at best, 12 minutes seen)."""
@@ -160,13 +161,11 @@ def test_orch_recovers_at_once_when_a_grown_back_node_dies_before_its_first_step
                  120, "a round of three with the grown-back node's workers starting", interval=0.02)
         kill_tree(joined["pid"])
         killed_t = time.time()
-        print(f"DEBUG kill at step {read_jsonl(metrics)[-1]['step']} after {killed_t - t0:.1f}s")
 
         def stepped_again():
             return [m for m in read_jsonl(metrics) if m["t"] > killed_t and m["world_size"] == 2]
 
         first = wait_for(stepped_again, RECOVERY_BOUND_S + 30, "the survivors to train again")[0]
-        print(f"DEBUG recovered in {first['t'] - killed_t:.1f}s")
         assert first["t"] - killed_t < RECOVERY_BOUND_S, f"survivors trained again {first['t'] - killed_t:.1f} s later"
         assert not [m for m in read_jsonl(metrics) if joined["t"] < m["t"] <= killed_t and m["world_size"] == 3], \
             "the grown-back node died before the round's first step"

@@ -46,7 +46,7 @@ def classify(exit: AgentExit, stopping: bool, noticed: bool, training_finished: 
     while this agent ran; ``explained``: the launch's surroundings account for the exit (a partition)."""
     where = f"agent on node {exit.node}"
     if exit.actor_died:  # even after a notice: the machine is gone, whatever its workers were doing
-        return ExitVerdict(ExitKind.LOST, f"{where} is gone: its machine left the cluster or its actor died "
+        return ExitVerdict(ExitKind.LOST, f"{where} is gone: its Ray node left the cluster or its actor died "
                                           f"({exit.detail})")
     if noticed and not training_finished:
         # A noticed agent may exit 0 (torchrun's SIGTERM path): the notice, not the code, says why it left.
