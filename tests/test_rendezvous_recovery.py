@@ -27,8 +27,10 @@ pytestmark = pytest.mark.slow
 MAX_STEPS = 600
 """Long enough that the drill (about 150 steps here) ends well before training does."""
 RECOVERY_BOUND_S = 30.0
-"""Survivors train again this soon after the joiner died. orch's usual time to recover is ~7 s here; without
-the reopen they waited for backend.timeout_s (29 s at best, 12 minutes seen)."""
+"""Survivors train again this soon after the joiner died: orch's usual recovery (about 7 s on an idle machine
+of this size, 20 s with other test suites sharing its two cores). Without the reopen they waited for
+backend.timeout_s: 30 minutes (a run was seen stuck for 12)."""
+
 
 WORKER = r'''
 import json, os, sys, time
@@ -146,28 +148,35 @@ def test_orch_recovers_at_once_when_a_grown_back_node_dies_before_its_first_step
     from orchestrator.rendezvous.state import connect
 
     run_dir = tmp_path / "run"
-    proc = start_orch("launch", "conf=cpu_elastic", "launcher=local", "cluster.nnodes=1:3", f"trainer.max_steps={MAX_STEPS}",
-                      "trainer.log_every=1", f"run.dir={run_dir}", log=tmp_path / "orch.log")
+    proc = start_orch("launch", "conf=cpu_elastic", "launcher=local", "cluster.nnodes=1:3",
+                      f"trainer.max_steps={MAX_STEPS}", "trainer.log_every=1", f"run.dir={run_dir}",
+                      log=tmp_path / "orch.log")
     metrics = run_dir / "metrics.jsonl"
+
+    def steps_since(t: float, world_size: int) -> list[dict]:
+        return [m for m in read_jsonl(metrics) if m["t"] > t and m["world_size"] == world_size]
+
     try:
         wait_for(lambda: any(m["step"] >= 10 for m in read_jsonl(metrics)), 120, "step 10")
-        t0 = time.time()
+        lost_t = time.time()
         kill_tree(json.loads((run_dir / "nodes.json").read_text())["2"])
-        joined = wait_for(lambda: events_after(run_dir, t0, "node_joined", node=2), 120, "node 2 grown back")[0]
-        plan = json.loads((run_dir / "plan.json").read_text())
-        host, port = plan["rendezvous_endpoint"].rsplit(":", 1)
+        # An ordinary loss first: how long this machine, loaded as it is now, takes to recover.
+        usual_s = wait_for(lambda: steps_since(lost_t, 2), 120, "recovery from node 2's loss")[0]["t"] - lost_t
+        bound_s = max(RECOVERY_BOUND_S, 2 * usual_s)
+
+        joined = wait_for(lambda: events_after(run_dir, lost_t, "node_joined", node=2), 120, "node 2 grown back")[0]
+        host, port = json.loads((run_dir / "plan.json").read_text())["rendezvous_endpoint"].rsplit(":", 1)
         client = connect(host, int(port))
         wait_for(lambda: in_complete_round(client, joined["rdzv_id"], joined["pid"]) and has_workers(joined["pid"]),
                  120, "a round of three with the grown-back node's workers starting", interval=0.02)
         kill_tree(joined["pid"])
         killed_t = time.time()
 
-        def stepped_again():
-            return [m for m in read_jsonl(metrics) if m["t"] > killed_t and m["world_size"] == 2]
-
-        first = wait_for(stepped_again, RECOVERY_BOUND_S + 30, "the survivors to train again")[0]
-        assert first["t"] - killed_t < RECOVERY_BOUND_S, f"survivors trained again {first['t'] - killed_t:.1f} s later"
-        assert not [m for m in read_jsonl(metrics) if joined["t"] < m["t"] <= killed_t and m["world_size"] == 3], \
+        again = wait_for(lambda: steps_since(killed_t, 2), bound_s + 30, "the survivors to train again")
+        recovery_s = again[0]["t"] - killed_t
+        assert recovery_s < bound_s, (f"survivors trained again {recovery_s:.1f} s after the grown-back node died "
+                                      f"(an ordinary loss took {usual_s:.1f} s)")
+        assert not [m for m in steps_since(joined["t"], 3) if m["t"] <= killed_t], \
             "the grown-back node died before the round's first step"
         assert proc.wait(timeout=240) == 0, (tmp_path / "orch.log").read_text()[-3000:]
     finally:

@@ -54,9 +54,9 @@ def agent(store: RendezvousStore, run_id: str, pid: int, min_nodes: int, max_nod
     """torch's rendezvous handler as a torchrun agent with PID ``pid`` builds it (``--rdzv-backend=c10d``,
     ``is_host=false``): its own client of the store, torch's backend, torch's state holder."""
     client = store.client()
-    settings = RendezvousSettings(run_id, min_nodes, max_nodes,
-                                  RendezvousTimeout(join=timedelta(seconds=30), last_call=timedelta(seconds=last_call_s)),
-                                  keep_alive_interval=timedelta(seconds=5), keep_alive_max_attempt=3)
+    timeout = RendezvousTimeout(join=timedelta(seconds=30), last_call=timedelta(seconds=last_call_s))
+    settings = RendezvousSettings(run_id, min_nodes, max_nodes, timeout, keep_alive_interval=timedelta(seconds=5),
+                                  keep_alive_max_attempt=3)
     backend = KillableBackend(C10dRendezvousBackend(client, run_id))
     return DynamicRendezvousHandler(_NodeDesc(ADDR, pid, 0), settings, "c10d", client,
                                     _BackendRendezvousStateHolder(backend, settings))

@@ -343,7 +343,8 @@ class PreemptionConfig:
     azure_endpoint: str = "http://169.254.169.254"
     """Azure instance metadata service (Scheduled Events)."""
     replace_nodes: bool = True
-    """Local launcher only: start a replacement for a preempted simulated node (spot capacity coming back)."""
+    """Replace a preempted node at once, without waiting for the survivors to recover (spot capacity coming
+    back); where a machine has a free slot, boot the replacement as a standby as soon as the notice comes."""
     schedule: PreemptionScheduleConfig = field(default_factory=PreemptionScheduleConfig)
 
     def __post_init__(self) -> None:
