@@ -11,7 +11,6 @@ node's agent runs on its own host. No Ray.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Optional, TextIO
 
@@ -29,7 +28,7 @@ class LocalLauncher:
     """Runs ``cfg`` as simulated nodes ``nodes`` (default: all of ``cluster.max_nodes``; a pod: its own);
     ``run()`` returns the run's status: succeeded, failed, interrupted (SIGINT) or preempted (SIGTERM)."""
 
-    def __init__(self, cfg: OrchConfig, run_dir: str, run_id: str, echo: Optional[TextIO] = sys.stdout,
+    def __init__(self, cfg: OrchConfig, run_dir: str, run_id: str, echo: Optional[TextIO] = None,
                  nodes: Optional[list[int]] = None):
         self.cfg, self.run_dir, self.run_id, self.echo = cfg, Path(run_dir), run_id, echo
         self.pod = cfg.cluster.node_index is not None

@@ -13,7 +13,6 @@ import dataclasses
 import logging
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Optional, TextIO
 
@@ -136,7 +135,7 @@ class RayLauncher:
     """Runs ``cfg`` through the controller on Ray; ``run()`` returns the run's status. Connecting happens in
     the constructor, before the run dir exists, so an unreachable cluster leaves nothing behind."""
 
-    def __init__(self, cfg: OrchConfig, run_dir: str, run_id: str, echo: Optional[TextIO] = sys.stdout):
+    def __init__(self, cfg: OrchConfig, run_dir: str, run_id: str, echo: Optional[TextIO] = None):
         self.cfg, self.run_dir, self.run_id, self.echo = cfg, Path(run_dir), run_id, echo
         self.testcluster = None
         if cfg.cluster.testcluster:

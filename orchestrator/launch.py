@@ -60,8 +60,14 @@ def preflight_checkpoints(cfg: OrchConfig) -> None:
         preflight_storage(cfg.checkpoint.url)
 
 
-def launch(cfg: OrchConfig, dry_run: bool = False, echo: Optional[TextIO] = sys.stdout) -> dict:
-    """Run ``cfg`` (or print its plan when ``dry_run``); returns the summary. Raises RunFailed on failure."""
+STDOUT = "stdout"  # echo to whatever sys.stdout is when launch() is called (not when this module was imported)
+
+
+def launch(cfg: OrchConfig, dry_run: bool = False, echo: Optional[TextIO] | str = STDOUT) -> dict:
+    """Run ``cfg`` (or print its plan when ``dry_run``); returns the summary. Raises RunFailed on failure.
+    ``echo``: where node output and progress go (None: nowhere)."""
+    if echo == STDOUT:
+        echo = sys.stdout
     cfg.run.dir = resolve_run_dir(cfg)
     run_id = new_run_id(cfg)
     plan = build_plan(cfg, cfg.run.dir, run_id, testcluster=state_for_launch(cfg.cluster.testcluster, cfg.cluster.max_nodes))

@@ -97,19 +97,33 @@ def test_unknown_preset_lists_the_available_ones():
     (["conf=cpu_gloo", "cluster.device=cuda"], "CUDA GPU(s)"),
     (["trainer.max_steps=3"], "give exactly one conf=NAME"),
 ])
-def test_cli_bad_input_exits_2_with_one_line_and_no_run_dir(tmp_path, args, words):
-    result = run_orch("launch", *args, f"run.dir={tmp_path / 'run'}", timeout=60)
-    assert result.returncode == 2, result.stderr
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and words in lines[0], result.stderr
-    assert "Traceback" not in result.stderr
+def test_cli_bad_input_exits_2_with_one_line_and_no_run_dir(tmp_path, capsys, args, words):
+    """In process (the CLI's own main): each case in milliseconds. The installed console script is covered
+    once below."""
+    from orchestrator.cli import main
+
+    assert main(["launch", *args, f"run.dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and words in lines[0], err
+    assert "Traceback" not in err
     assert not (tmp_path / "run").exists()
 
 
-def test_cuda_message_suggests_dry_run_and_cpu_preset(tmp_path):
-    result = run_orch("launch", "conf=bert8gpu", f"run.dir={tmp_path}/r", timeout=60)
-    assert result.returncode == 2
-    assert "--dry-run" in result.stderr and "conf=cpu_gloo" in result.stderr
+def test_the_console_script_exits_2_with_one_line_and_no_run_dir(tmp_path):
+    result = run_orch("launch", "conf=cpu_gloo", "cluster.nnodes=4:2", f"run.dir={tmp_path / 'run'}", timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "MIN greater than MAX" in lines[0] and "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_cuda_message_suggests_dry_run_and_cpu_preset(tmp_path, capsys):
+    from orchestrator.cli import main
+
+    assert main(["launch", "conf=bert8gpu", f"run.dir={tmp_path}/r"]) == 2
+    err = capsys.readouterr().err
+    assert "--dry-run" in err and "conf=cpu_gloo" in err
 
 
 def test_help_lists_presets_and_groups():
@@ -134,16 +148,19 @@ def test_gpus_are_checked_for_the_nodes_that_run_on_this_machine(args, here):
     assert nodes_here(build_plan(cfg, "/tmp/run", "rid"), cfg.cluster) == here
 
 
-def test_a_pod_running_one_node_needs_one_nodes_gpus_and_joining_ray_needs_none_here(tmp_path):
-    pod = run_orch("launch", "conf=bert8gpu", "launcher=local", "cluster.nnodes=2", "trainer.global_batch_size=512",
-                   "cluster.node_index=1", f"run.dir={tmp_path / 'pod'}", timeout=60)
-    assert pod.returncode == 2 and "needs 8 CUDA GPU(s)" in pod.stderr and "1 node(s) here" in pod.stderr
+def test_a_pod_running_one_node_needs_one_nodes_gpus_and_joining_ray_needs_none_here(tmp_path, capsys):
+    from orchestrator.cli import main
+
+    assert main(["launch", "conf=bert8gpu", "launcher=local", "cluster.nnodes=2", "trainer.global_batch_size=512",
+                 "cluster.node_index=1", f"run.dir={tmp_path / 'pod'}"]) == 2
+    err = capsys.readouterr().err
+    assert "needs 8 CUDA GPU(s)" in err and "1 node(s) here" in err
     import socket
 
     with socket.socket() as s:  # a free port nobody answers on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    joined = run_orch("launch", "conf=bert8gpu", f"cluster.address=127.0.0.1:{port}", f"run.dir={tmp_path / 'ray'}",
-                      timeout=60)
-    assert joined.returncode == 2 and "no Ray cluster answers" in joined.stderr, joined.stderr
-    assert "CUDA" not in joined.stderr and not (tmp_path / "ray").exists()
+    assert main(["launch", "conf=bert8gpu", f"cluster.address=127.0.0.1:{port}", f"run.dir={tmp_path / 'ray'}"]) == 2
+    err = capsys.readouterr().err
+    assert "no Ray cluster answers" in err, err
+    assert "CUDA" not in err and not (tmp_path / "ray").exists()

@@ -1,6 +1,6 @@
 """The trainer's answer to a preemption notice: agree, save, leave.
 
-At every step boundary all ranks all-reduce the earliest notice time any of them holds (one float, MIN).
+At every step boundary all ranks all-reduce the earliest notice time any of them holds (MIN, one float64).
 If there is one, every rank joins a synchronous emergency checkpoint of the step just completed (after any
 async save in flight), and exits with PREEMPTED_EXIT_CODE. The noticed node also stops its torchrun agent
 (unless SIGTERM already is), so it leaves the job instead of being restarted on a machine about to vanish;
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from orchestrator.checkpoint import CheckpointError
 from orchestrator.preemption import (PREEMPTED_EXIT_CODE, AgentNotices, PreemptionWatcher, build_sources,
                                      sigterm_notice_mode)
 from orchestrator.preemption.notices import SIGTERM_SOURCE
@@ -78,7 +79,18 @@ class PreemptionResponse:
             self.watcher.mark_acting()  # a SIGTERM from a torchrun restart no longer cuts the save short
             self._save_and_leave(earliest)
         if restart < 0:
+            self._commit_save_in_flight()
             self.watcher.leave_for_restart(RESTART_WAIT_S)
+
+    def _commit_save_in_flight(self) -> None:
+        """Leaving for a restart starts no save, but lets a periodic one already being written commit (rank 0
+        writes alone, so no peer is needed): the next round then resumes from it. os._exit would tear it."""
+        if not self.trainer.ctx.is_main:
+            return
+        try:
+            self.trainer.checkpoints.manager.wait()
+        except CheckpointError:
+            pass  # the background writer logged checkpoint_failed; the next round resumes from an older save
 
     def _save_and_leave(self, notice_t: float) -> None:
         t, cfg = self.trainer, self.trainer.cfg.preemption
