@@ -30,7 +30,7 @@ def kill_node(run_dir: str, node: int, sig: int = signal.SIGKILL) -> list[int]:
     killed = kill_tree(pids[node], sig)
     if not killed:
         raise UserError(f"--node {node}: its agent (pid {pids[node]}) is not running. Fix: pick a live node")
-    EventLog(run_dir).emit("chaos_kill", node=node, pids=killed, signal=signal.Signals(sig).name)
+    EventLog(run_dir).emit(EventName.CHAOS_KILL, node=node, pids=killed, signal=signal.Signals(sig).name)
     return killed
 
 

@@ -33,6 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from orchestrator.rundir import EventName
+
 CATEGORIES = ("launch", "waiting_for_nodes", "rendezvous", "worker_start", "restore", "checkpoint_stall", "lost",
               "shutdown", "other")
 # The segment of a recovery that ends at each start-up milestone, in order (the first one's label is launch or
@@ -40,8 +42,8 @@ CATEGORIES = ("launch", "waiting_for_nodes", "rendezvous", "worker_start", "rest
 MILESTONE_SEGMENTS = (("agent_start_t", None), ("process_start_t", "rendezvous"), ("entry_t", "worker_start"),
                       ("imports_t", "worker_start"), ("config_t", "worker_start"), ("process_group_t", "rendezvous"),
                       ("model_t", "worker_start"), ("restore_t", "restore"), ("ready_t", "worker_start"))
-FAILURE_EVENTS = ("chaos_kill", "node_lost", "node_failed", "worker_failed", "chaos_partition")
-NODE_UP_EVENTS = ("node_started", "node_joined", "node_standby_started")
+FAILURE_EVENTS = (EventName.CHAOS_KILL, EventName.NODE_LOST, EventName.NODE_FAILED, EventName.WORKER_FAILED, EventName.CHAOS_PARTITION)
+NODE_UP_EVENTS = (EventName.NODE_STARTED, EventName.NODE_JOINED, EventName.NODE_STANDBY_STARTED)
 
 
 @dataclass
@@ -70,8 +72,8 @@ def _attempt_of(t: float, starts: list[float]) -> int:
 
 
 def _steps(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> Steps:
-    starts = [e["t"] for e in events if e["event"] == "rendezvous_complete"]
-    first_steps = sorted((e["t"], e["step"]) for e in events if e["event"] == "first_step")
+    starts = [e["t"] for e in events if e["event"] == EventName.RENDEZVOUS_COMPLETE]
+    first_steps = sorted((e["t"], e["step"]) for e in events if e["event"] == EventName.FIRST_STEP)
     out, prev = Steps(), {}
     for m in sorted(metrics, key=lambda m: m["t"]):
         attempt = _attempt_of(m["t"], starts)
@@ -127,7 +129,7 @@ def _milestones(events: list[dict[str, Any]], gap_start: float, attempt: Attempt
                 rendezvous_t: Optional[float]) -> dict[str, float]:
     """The start-up milestones of ``attempt``: its ``worker_started``, else what launcher and rank 0 events say."""
     lo = rendezvous_t if rendezvous_t is not None else gap_start
-    reported = [e for e in events if e["event"] == "worker_started" and lo <= e["t"] <= attempt.first_metric_t]
+    reported = [e for e in events if e["event"] == EventName.WORKER_STARTED and lo <= e["t"] <= attempt.first_metric_t]
     if reported:
         return {k: v for k, v in reported[-1].items() if k.endswith("_t") and isinstance(v, (int, float))}
     found: dict[str, float] = {}
@@ -137,7 +139,7 @@ def _milestones(events: list[dict[str, Any]], gap_start: float, attempt: Attempt
         found["agent_start_t"] = max(ups)
     if rendezvous_t is not None:
         found["process_group_t"] = rendezvous_t
-    loaded = _between(events, lo, attempt.first_metric_t, ("checkpoint_loaded",))
+    loaded = _between(events, lo, attempt.first_metric_t, (EventName.CHECKPOINT_LOADED,))
     if loaded:
         found["model_t"] = loaded[-1]["t"] - loaded[-1].get("restore_s", 0.0)
         found["restore_t"] = loaded[-1]["t"]
@@ -153,17 +155,17 @@ def _end_of_attempt(tl: Timeline, events: list[dict[str, Any]], ended: Attempt, 
     failure is lost (unless training had finished: then what follows is shutdown)."""
     start = tl.cursor
     tl.to(start + stall_s, "checkpoint_stall")
-    emergency = _between(events, start, next_start, ("emergency_checkpoint",))
+    emergency = _between(events, start, next_start, (EventName.EMERGENCY_CHECKPOINT,))
     if emergency:
         e = emergency[-1]
         tl.to(e["t"] - e.get("save_s", 0.0), "productive" if e.get("step", 0) > ended.last_step else None)
         tl.to(e["t"], "checkpoint_stall")
         return "preemption"
     failed = _between(events, start, next_start, FAILURE_EVENTS)
-    if failed and not _between(events, start, next_start, ("training_finished",)):
+    if failed and not _between(events, start, next_start, (EventName.TRAINING_FINISHED,)):
         tl.to(min(e["t"] for e in failed), "lost")
         return "failure"
-    return "preemption" if _between(events, start, next_start, ("node_preempted",)) else "restart"
+    return "preemption" if _between(events, start, next_start, (EventName.NODE_PREEMPTED,)) else "restart"
 
 
 def _move_save_stalls(events: list[dict[str, Any]], steps: Steps, starts: list[float],
@@ -171,10 +173,10 @@ def _move_save_stalls(events: list[dict[str, Any]], steps: Steps, starts: list[f
     """Periodic saves block the loop inside the window of the step after the save: move that time from the
     step (productive or lost) to ``checkpoint_stall``. Returns, per attempt, the stall of a save after its
     last logged step, which blocks in the gap that follows instead."""
-    emergency_steps = {e["step"] for e in events if e["event"] == "emergency_checkpoint"}
+    emergency_steps = {e["step"] for e in events if e["event"] == EventName.EMERGENCY_CHECKPOINT}
     pending: dict[int, float] = {}
     for e in events:
-        if e["event"] != "checkpoint_saved" or e.get("step") in emergency_steps or not e.get("stall_s"):
+        if e["event"] != EventName.CHECKPOINT_SAVED or e.get("step") in emergency_steps or not e.get("stall_s"):
             continue
         attempt, after = _attempt_of(e["t"], starts), e["step"] + 1
         if steps.kept.get(after, (None,))[0] == attempt:
@@ -192,13 +194,13 @@ def _move_save_stalls(events: list[dict[str, Any]], steps: Steps, starts: list[f
 
 def compute_goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Goodput and its badput breakdown for one launch's events and metrics (None without a finished run)."""
-    start = next((e["t"] for e in events if e["event"] == "launch_started"), None)
-    end = next((e["t"] for e in reversed(events) if e["event"] == "run_finished"), None)
+    start = next((e["t"] for e in events if e["event"] == EventName.LAUNCH_STARTED), None)
+    end = next((e["t"] for e in reversed(events) if e["event"] == EventName.RUN_FINISHED), None)
     if start is None or end is None or end <= start:
         return None
     wall = end - start
     steps = _steps(events, metrics)
-    starts = [e["t"] for e in events if e["event"] == "rendezvous_complete"]
+    starts = [e["t"] for e in events if e["event"] == EventName.RENDEZVOUS_COMPLETE]
     totals: dict[str, float] = {"productive": sum(s for _, s in steps.kept.values()), "lost": sum(steps.lost.values())}
 
     pending_stall = _move_save_stalls(events, steps, starts, totals)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
-from orchestrator.rundir import EVENTS_FILE, METRICS_FILE, JsonlTail
+from orchestrator.rundir import EVENTS_FILE, EventName, JsonlTail, METRICS_FILE
 
 PLAIN_INTERVAL_S = 10.0
 POLL_S = 0.5
@@ -56,7 +56,7 @@ class ProgressState:
             self.samples_per_s, self.world_size = m.get("samples_per_s"), m.get("world_size", self.world_size)
         for e in events:
             self.last_event = e
-            if e["event"] == "rendezvous_complete":
+            if e["event"] == EventName.RENDEZVOUS_COMPLETE:
                 self.world_size = e.get("world_size", self.world_size)
         return bool(metrics or events)
 

@@ -14,17 +14,17 @@ from typing import Any, Optional
 
 from orchestrator.errors import UserError
 from orchestrator.report import efficiency as eff
-from orchestrator.rundir import EVENTS_FILE, METRICS_FILE, read_jsonl
+from orchestrator.rundir import EVENTS_FILE, EventName, METRICS_FILE, read_jsonl
 from orchestrator.report.summary import build_summary
 from orchestrator.rundir import latest_launch
 
 REPORT_MD, REPORT_JSON, SCALING_FILE = "report.md", "report.json", "scaling.json"
 # Events drawn as vertical lines on the timeline, by marker kind.
 MARKER_EVENTS = {
-    "checkpoint_saved": "checkpoint",
-    "preemption_notice": "preemption", "node_preempted": "preemption", "chaos_preempt": "preemption",
-    "node_lost": "node lost", "chaos_kill": "node lost",
-    "restart": "restart",
+    EventName.CHECKPOINT_SAVED: "checkpoint",
+    EventName.PREEMPTION_NOTICE: "preemption", EventName.NODE_PREEMPTED: "preemption", EventName.CHAOS_PREEMPT: "preemption",
+    EventName.NODE_LOST: "node lost", EventName.CHAOS_KILL: "node lost",
+    EventName.RESTART: "restart",
 }
 
 
@@ -50,7 +50,7 @@ def world_size_changes(events: list[dict[str, Any]]) -> list[tuple[float, int]]:
     """``(t, world_size)`` of every rendezvous that changed the world size (the first one included)."""
     changes: list[tuple[float, int]] = []
     for e in events:
-        if e["event"] == "rendezvous_complete" and (not changes or changes[-1][1] != e["world_size"]):
+        if e["event"] == EventName.RENDEZVOUS_COMPLETE and (not changes or changes[-1][1] != e["world_size"]):
             changes.append((e["t"], e["world_size"]))
     return changes
 

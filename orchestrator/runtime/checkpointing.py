@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from orchestrator.checkpoint import CheckpointError, CheckpointManager
 from orchestrator.config.schema import OrchConfig
+from orchestrator.rundir import EventName
 
 if TYPE_CHECKING:
     from orchestrator.runtime.trainer import Trainer
@@ -91,7 +92,7 @@ class TrainingCheckpoints:
         self.last_save_s: Optional[float] = None  # stall + write of the latest committed save (rank 0)
 
     def _on_event(self, emit, name: str, fields: dict) -> None:
-        if name == "checkpoint_saved":
+        if name == EventName.CHECKPOINT_SAVED:
             self.last_save_s = fields.get("stall_s", 0.0) + fields.get("write_s", 0.0)
         emit(name, **fields)
 
@@ -162,7 +163,7 @@ class TrainingCheckpoints:
         loaded = loaded if t.ctx.is_main else self.manager.load(choice[0])
         self._apply(loaded.state, loaded.metadata, loaded.step)
         if t.ctx.is_main:
-            t.events.emit("checkpoint_loaded", step=loaded.step, world_size=t.ctx.world_size,
+            t.events.emit(EventName.CHECKPOINT_LOADED, step=loaded.step, world_size=t.ctx.world_size,
                           saved_world_size=loaded.metadata.get("world_size"), restore_s=time.perf_counter() - started)
         return loaded.step
 
@@ -172,7 +173,7 @@ class TrainingCheckpoints:
         changed = [k for k, v in config_fingerprint(t.cfg).items() if metadata.get("config_fingerprint_keys", {}).get(k) != v]
         if changed and t.ctx.is_main:
             warnings.warn(f"resuming step {step} with changed settings: {', '.join(changed)}", RuntimeWarning)
-            t.events.emit("checkpoint_config_changed", step=step, keys=changed)
+            t.events.emit(EventName.CHECKPOINT_CONFIG_CHANGED, step=step, keys=changed)
         t.raw_model.load_state_dict(state["model"])
         t.optimizer.load_state_dict(state["optim"])
         t.scheduler.load_state_dict(state["scheduler"])

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from orchestrator.config.compose import load_run_config
-from orchestrator.rundir import EventLog
+from orchestrator.rundir import EventLog, EventName
 from orchestrator.runtime.distributed import DistContext, init_process_group
 from orchestrator.runtime.preemption import PreemptedExit
 from orchestrator.runtime.timing import StartupTimes
@@ -43,10 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         init_process_group(ctx, cfg.backend.name, cfg.backend.timeout_s)
         startup.mark("process_group")
         if ctx.is_main:
-            events.emit("rendezvous_complete", world_size=ctx.world_size, restart_count=ctx.restart_count,
+            events.emit(EventName.RENDEZVOUS_COMPLETE, world_size=ctx.world_size, restart_count=ctx.restart_count,
                         nnodes=ctx.world_size // ctx.local_world_size)
             if ctx.restart_count:
-                events.emit("restart", restart_count=ctx.restart_count, world_size=ctx.world_size,
+                events.emit(EventName.RESTART, restart_count=ctx.restart_count, world_size=ctx.world_size,
                             reason="workers restarted by the torchrun agent")
         Trainer(cfg, ctx, run_dir, events, startup=startup).fit()
     except PreemptedExit as exc:
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(exc.code)
     except BaseException as exc:
         if not isinstance(exc, SystemExit) or exc.code:
-            events.emit("worker_failed", rank=ctx.rank, node=ctx.node, restart_count=ctx.restart_count,
+            events.emit(EventName.WORKER_FAILED, rank=ctx.rank, node=ctx.node, restart_count=ctx.restart_count,
                         error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-4000:])
         raise
     finally:

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from orchestrator.config.schema import OrchConfig
-from orchestrator.rundir import METRICS_FILE, EventLog, append_jsonl
+from orchestrator.rundir import EventLog, EventName, METRICS_FILE, append_jsonl
 from orchestrator.runtime.checkpointing import TrainingCheckpoints
 from orchestrator.runtime.distributed import DistContext, select_device
 from orchestrator.runtime.precision import MixedPrecision
@@ -133,7 +133,7 @@ class Trainer:
                 window_steps += 1
                 self._record_samples(sample_ids)
                 if self.progress.step == first_step and self.ctx.is_main:  # what recovery times (MTTR) end on
-                    self.events.emit("first_step", step=first_step, world_size=self.ctx.world_size,
+                    self.events.emit(EventName.FIRST_STEP, step=first_step, world_size=self.ctx.world_size,
                                      restart_count=self.ctx.restart_count)
                 if self.progress.step % t.log_every == 0 or self.progress.step == t.max_steps:
                     now = time.perf_counter()
@@ -149,7 +149,7 @@ class Trainer:
         per_rank: list[Any] = [None] * self.ctx.world_size
         dist.all_gather_object(per_rank, self.startup.fields())
         if self.ctx.is_main:
-            self.events.emit("worker_started", world_size=self.ctx.world_size, restart_count=self.ctx.restart_count,
+            self.events.emit(EventName.WORKER_STARTED, world_size=self.ctx.world_size, restart_count=self.ctx.restart_count,
                              step=self.progress.step, **latest_over_ranks(per_rank))
 
     def train_step(self, batches, accumulation_steps: int) -> tuple[torch.Tensor, list[int]]:
@@ -226,5 +226,5 @@ class Trainer:
                   "params_sha256": params_sha256(self.raw_model), "world_size": self.ctx.world_size,
                   "progress": asdict(self.progress)}
         if self.ctx.is_main:
-            self.events.emit("training_finished", **result)
+            self.events.emit(EventName.TRAINING_FINISHED, **result)
         return result

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from orchestrator.errors import EnvironmentMismatch
-from orchestrator.rundir import EventLog
+from orchestrator.rundir import EventLog, EventName
 from orchestrator.testcluster import cluster
 from orchestrator.testcluster.state import ClusterState, enter_argv
 
@@ -73,7 +73,7 @@ class RayHosts:
                                             start_new_session=True)
         log.close()
         if self.events:
-            self.events.emit("testcluster_ray_node_started", node=node, host=self.state.nodes[node].hostname,
+            self.events.emit(EventName.TESTCLUSTER_RAY_NODE_STARTED, node=node, host=self.state.nodes[node].hostname,
                              address=self.state.nodes[node].address, pid=self.procs[node].pid, restart=restart)
 
     def start_all(self) -> None:

@@ -35,13 +35,13 @@ from typing import Callable, Optional
 import psutil
 
 from orchestrator.rendezvous.rounds import RoundWatch
-from orchestrator.rundir import EventLog, append_jsonl
+from orchestrator.rundir import EventLog, EventName, append_jsonl
 from orchestrator.testcluster import cluster
 from orchestrator.testcluster import netns as nx
 from orchestrator.testcluster.state import ClusterState
 
 POLL_INTERVAL_S = 0.5
-FAULT_EVENTS = {"partition": "chaos_partition", "heal": "chaos_heal", "kill": "chaos_kill"}
+FAULT_EVENTS = {"partition": EventName.CHAOS_PARTITION, "heal": EventName.CHAOS_HEAL, "kill": EventName.CHAOS_KILL}
 SILENCE_MARGIN_S = 2.0
 """Added to interval x attempts: a keep-alive is written only once the last one is an interval old, and
 read through a cache of up to a second, so a healthy member's can be that much older."""
@@ -175,7 +175,7 @@ class ClusterWatch:
         self._acted_round = self.rounds.round
         ended = _end(victims)
         hosts = [m.addr for m in silent]
-        self.events.emit("round_broken", round=self.rounds.round, silent_nodes=sorted(by_pid.get(m.pid, -1) for m in silent),
+        self.events.emit(EventName.ROUND_BROKEN, round=self.rounds.round, silent_nodes=sorted(by_pid.get(m.pid, -1) for m in silent),
                          silent_hosts=hosts, silent_for_s=self.rounds.silence(), survivors=survivors,
                          ended_worker_pids=ended,
                          reason=f"no rendezvous keep-alive from {', '.join(hosts)} for over {self.silence_s:g} s while "
@@ -201,7 +201,7 @@ class ClusterWatch:
                 workers = psutil.Process(agent_pids[node]).children()
             except psutil.NoSuchProcess:
                 continue
-            self.events.emit("stale_workers_ended", node=node, ended_worker_pids=_end(workers),
+            self.events.emit(EventName.STALE_WORKERS_ENDED, node=node, ended_worker_pids=_end(workers),
                              reason=f"node {node} was healed but the rendezvous went on without it: ended its workers "
                                     "of the dead round so its agent rejoins instead of waiting on them")
 
@@ -231,7 +231,7 @@ class ClusterWatch:
             return  # workers still starting, or a single node: nothing crosses a link yet
         self._bound_round = self.rounds.round
         ranks.sort(key=lambda r: r["rank"])
-        self.events.emit("testcluster_bindings", round=self.rounds.round, ranks=ranks,
+        self.events.emit(EventName.TESTCLUSTER_BINDINGS, round=self.rounds.round, ranks=ranks,
                          own_address_only=all(r["local_addresses"] == [r["address"]] for r in ranks))
         with (self.run_dir / "logs" / "testcluster.log").open("a") as log:
             for r in ranks:
