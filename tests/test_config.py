@@ -75,6 +75,20 @@ def test_bad_config_names_key_value_and_fix(overrides, key, words):
     assert "\n" not in message
 
 
+@pytest.mark.parametrize("overrides, key, words, suggests_plus", [
+    (["trainer.max_stepz=3"], "trainer.max_stepz", "is not a known key", False),  # typed: + would be refused too
+    (["+trainer.max_stpes=3"], "trainer.max_stpes", "is not a known key", False),
+    (["+trainer.max_steps=3"], "trainer.max_steps", "already exists", False),
+    (["optim.foo=1"], "optim.foo", "is not a known key", True),  # free-form: +optim.foo=1 adds it
+])
+def test_plus_key_is_suggested_only_where_it_works(overrides, key, words, suggests_plus):
+    with pytest.raises(ConfigError) as info:
+        compose_config("cpu_gloo", overrides)
+    message = str(info.value)
+    assert message.startswith(key) and words in message
+    assert (f"+{key}=" in message.split("Fix:", 1)[1]) == suggests_plus
+
+
 def test_elastic_range_checks_batch_at_every_world_size():
     # 16 divides by 8 x 1 and 8 x 2 but not by 8 x 3: a shrink or grow to 3 nodes would break the math.
     with pytest.raises(ConfigError, match="at 3 node"):

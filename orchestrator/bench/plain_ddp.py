@@ -8,7 +8,8 @@ gradient clipping, the loss all-reduced and printed every ``--log-every`` steps.
 classes and every setting, DDP's flags included, are those of ``conf=cpu_gloo`` (the bench passes them in),
 so both sides run the same job; none of orch's runtime (trainer, checkpoints, preemption, metrics, timing) is used.
 
-Rank 0 writes ``--out``: ``{"first_step_t": unix time after step 1, "log_t": {step: unix time}}``.
+Rank 0 writes ``--out``: ``{"first_step_t": unix time after step 1, "log_t": {step: unix time}}``. Each rank
+then leaves with ``os._exit`` (the end of this file says why).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import sys
 import time
 
 import torch
@@ -87,3 +90,11 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Leave without the interpreter's teardown. DDP keeps the gloo process group, and so its worker threads, alive
+    # past destroy_process_group; a worker thread that drops its hold on a Python tensor (the last all-reduce's)
+    # needs the GIL, a finalizing interpreter ends that thread instead, and the unwind through torch's noexcept
+    # destructor aborts the process ("terminate called without an active exception", SIGABRT) after a run that
+    # completed. Everything is written; what teardown would add is only that race.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -45,8 +45,8 @@ def format_checkpoint_detail(url_or_step_url: str) -> str:
     steps = storage.list_steps()
     if step is None:
         if not steps:
-            raise UserError(f"no checkpoints under {root}. Fix: check the URL (the one checkpoint.url or the run "
-                            "dir's checkpoints/ names)")
+            raise UserError(f"no checkpoints under {root}. Fix: give the URL a run saved to (its checkpoint.url, "
+                            "or <run dir>/checkpoints)")
         step = steps[-1]
     elif step not in steps:
         raise UserError(f"no checkpoint directory {step_dirname(step)} under {root}. Fix: pick a step that "

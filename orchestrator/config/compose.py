@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
@@ -24,7 +24,10 @@ from orchestrator.config.validate import validate_config
 from orchestrator.errors import ConfigError, UserError
 
 SCHEMA_NAME = "orch_schema"
-ConfigStore.instance().store(name=SCHEMA_NAME, node=OrchConfig)
+# Presets list ``orch_schema`` first; it brings the typed schema plus the defaults of groups that every preset
+# has without naming them (``logger: none``), so ``logger=...`` overrides work on any preset, user ones too.
+ConfigStore.instance().store(name="_orch_schema_typed", node=OrchConfig)
+ConfigStore.instance().store(name=SCHEMA_NAME, node={"defaults": ["_orch_schema_typed", {"logger": "none"}, "_self_"]})
 
 
 def conf_dir() -> Path:
@@ -65,6 +68,8 @@ def compose_dictconfig(preset: str, overrides: Sequence[str] = ()) -> DictConfig
             return compose(config_name=preset, overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as exc:
         raise _translate(exc, overrides) from None
+    except AssertionError as exc:  # OmegaConf asserts when an override reaches under a null node
+        raise _under_null(overrides) or exc from None
     finally:
         GlobalHydra.instance().clear()
 
@@ -127,17 +132,19 @@ def _translate(exc: Exception, overrides: Sequence[str]) -> UserError:
     if deleted:
         return ConfigError(deleted, None, "set it to another value (or null where allowed) instead: typed keys "
                            "cannot be removed", "cannot be deleted")
-    missing_option = re.search(r"Could not find '([\w.]+)/([\w.]+)'", text)
+    missing_option = re.search(r"Could not (?:find|load) '([\w.]+)/([\w.]+)'", text)
     if missing_option:
         group, option = missing_option.groups()
-        choices = ", ".join(re.findall(r"^\t(\S+)$", text, re.M))
+        choices = ", ".join(re.findall(r"^\t(\S+)$", text, re.M) or list_groups().get(group, []))
         return ConfigError(group, option, f"use one of {choices}", f"is not a known option of group {group!r}")
     if "does not exist" in text:
         return ConfigError(key or "?", None, "delete only keys the preset has (see `orch launch --help`)",
                            "cannot be deleted: it does not exist")
     if "not in struct" in text or re.search(r"Key '[\w]+' not in '", text):
+        # `+key` adds keys only to the free-form `_target_` nodes (model, optim, ...); typed groups refuse it.
+        add = "" if key is None or _in_typed_group(key) else f", or add a new key with +{key}=..."
         return ConfigError(key or "?", value, f"check the spelling (see `orch launch --help` and "
-                           f"docs/configuration.md), or add a new key with +{key}=...", "is not a known key")
+                           f"docs/configuration.md){add}", "is not a known key")
     if "could not be converted" in text or "is not a valid" in text:
         value = _first(text, r"Value '([^']*)'") or value
         return ConfigError(key or "?", value, "give a value of the key's type (see docs/configuration.md)",
@@ -150,6 +157,32 @@ def _translate(exc: Exception, overrides: Sequence[str]) -> UserError:
         return ConfigError(key or "?", "???", "set it in the preset or as an override", "is required but missing")
     first = next((ln for ln in str(exc).splitlines() if ln.strip()), str(exc))
     return UserError(f"invalid configuration: {first} Fix: check the overrides against `orch launch --help`")
+
+
+def _under_null(overrides: Sequence[str]) -> UserError | None:
+    """``logger.mlflow.experiment=x`` without ``logger=mlflow``: ``logger.mlflow`` is null, so say to select it."""
+    chosen = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("logger=")]
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        parts = key.split(".")
+        if len(parts) > 2 and parts[0] == "logger" and not any(parts[1] in c for c in chosen):
+            return ConfigError(key, value, f"select that logger too: logger={parts[1]} (or logger=[...,{parts[1]}])",
+                               f"cannot be set: logger.{parts[1]} is off")
+    return None
+
+
+def _in_typed_group(key: str) -> bool:
+    """Whether ``key``'s parent is a schema dataclass (``trainer.x``), not a free-form node (``optim.x``)."""
+    import dataclasses
+    import typing
+
+    node: Any = OrchConfig
+    for part in key.split(".")[:-1]:
+        if not dataclasses.is_dataclass(node):
+            return False
+        node = typing.get_type_hints(node).get(part, Any)
+        node = next((a for a in typing.get_args(node) if dataclasses.is_dataclass(a)), node)  # Optional[X]
+    return dataclasses.is_dataclass(node)
 
 
 def _first(text: str, *patterns: str):

@@ -443,6 +443,66 @@ class FailureConfig:
                  "use a positive number of seconds")
 
 
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass
+class TensorBoardConfig:
+    """``logger=tensorboard``: TensorBoard event files (``pip install 'orch[tensorboard]'``)."""
+
+    log_dir: Optional[str] = None
+    """Where the event files go; ``null`` means ``<run.dir>/tensorboard`` (``tensorboard --logdir`` it)."""
+
+
+@dataclass
+class MLflowConfig:
+    """``logger=mlflow``: one MLflow run per orch run (``pip install 'orch[mlflow]'``)."""
+
+    tracking_uri: Optional[str] = None
+    """MLflow tracking URI (``http://host:5000``, ``file:///path/mlruns``, ...); ``null`` means a file store in
+    ``<run.dir>/mlruns`` (``mlflow ui --backend-store-uri <run.dir>/mlruns`` shows it)."""
+    experiment: str = "orch"
+    """Experiment the run is filed under; created if missing."""
+
+    def __post_init__(self) -> None:
+        _require("logger.mlflow.experiment", self.experiment, bool(self.experiment), "give an experiment name")
+
+
+@dataclass
+class WandbConfig:
+    """``logger=wandb``: a Weights & Biases run (``pip install 'orch[wandb]'``)."""
+
+    project: str = "orch"
+    """W&B project of the run."""
+    mode: str = "offline"
+    """``offline`` (write locally; upload later with ``wandb sync``), ``online`` (needs ``WANDB_API_KEY`` or
+    ``wandb login``), or ``disabled``."""
+    dir: Optional[str] = None
+    """Directory wandb writes its ``wandb/`` folder into; ``null`` means the run dir (``<run.dir>/wandb``)."""
+
+    def __post_init__(self) -> None:
+        _require("logger.wandb.project", self.project, bool(self.project), "give a project name")
+        _one_of("logger.wandb.mode", self.mode, WANDB_MODES)
+
+
+@dataclass
+class LoggerConfig:
+    """Experiment trackers fed by rank 0 (``logger=tensorboard``, ``logger=[tensorboard,mlflow]``, ...). A
+    tracker is on when its key is set; ``logger=none`` (the default) leaves all three ``null``."""
+
+    tensorboard: Optional[TensorBoardConfig] = None
+    """TensorBoard settings; ``null``: off."""
+    mlflow: Optional[MLflowConfig] = None
+    """MLflow settings; ``null``: off."""
+    wandb: Optional[WandbConfig] = None
+    """Weights & Biases settings; ``null``: off."""
+
+    @property
+    def enabled(self) -> list:
+        """Names of the trackers that are on, e.g. ``["tensorboard", "mlflow"]``."""
+        return [name for name in ("tensorboard", "mlflow", "wandb") if getattr(self, name) is not None]
+
+
 @dataclass
 class OrchConfig:
     """The whole configuration of one launch, as composed from a preset and overrides."""
@@ -467,6 +527,8 @@ class OrchConfig:
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
     k8s: K8sConfig = field(default_factory=K8sConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    """Experiment trackers (the ``logger`` group: none, tensorboard, mlflow, wandb, or a list of them)."""
 
     def __post_init__(self) -> None:
         _one_of("launcher", self.launcher, LAUNCHERS)

@@ -23,6 +23,16 @@ def validate_config(cfg: OrchConfig) -> None:
     for key, supplied in RUNTIME_ARGS.items():
         node = cfg.data.dataset if key == "data.dataset" else getattr(cfg, key)
         check_instantiable(key, node, supplied)
+    _check_loggers(cfg)
+
+
+def _check_loggers(cfg: OrchConfig) -> None:
+    """Every selected tracker's package is installed (``logger=mlflow`` needs ``pip install 'orch[mlflow]'``)."""
+    from orchestrator.tracking.api import PACKAGES, missing_package_error, package_installed
+
+    for name in cfg.logger.enabled:
+        if not package_installed(PACKAGES[name]):
+            raise missing_package_error(name)
 
 
 def _check_batch_divides(cfg: OrchConfig) -> None:

@@ -1,0 +1,280 @@
+"""The ``logger`` group: trackers write real TensorBoard / MLflow / W&B stores that read back; config errors exit 2."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from orchestrator.config.compose import compose_config, load_run_config
+from orchestrator.errors import ConfigError, UserError
+from orchestrator.tracking import Trackers, flatten_config, numeric_metrics, open_trackers
+
+pytestmark = pytest.mark.timeout(120)
+
+STEPS = [2, 4, 6, 8, 10]
+SECRET = "s3cr3t-do-not-log"
+
+
+def loss_at(step: int) -> float:
+    return 10.0 / step
+
+
+def tensorboard_scalars(log_dir: Path, tag: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars(tag)}
+
+
+def mlflow_run(tracking_uri: str, experiment: str = "orch"):
+    """The one run of ``experiment`` in the store, and the client that read it."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    assert found is not None, f"no experiment {experiment!r} in {tracking_uri}"
+    runs = client.search_runs([found.experiment_id])
+    assert len(runs) == 1, runs
+    return client, runs[0]
+
+
+@pytest.fixture
+def file_store_readable(monkeypatch):
+    """MLflow 3 refuses to open a file store without this (the trackers set it for themselves when writing)."""
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+
+
+def test_tensorboard_and_mlflow_store_config_and_every_logged_step(tmp_path, monkeypatch, file_store_readable):
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed: pip install 'orch[tensorboard]'")
+    pytest.importorskip("mlflow", reason="the mlflow extra is not installed: pip install 'orch[mlflow]'")
+    monkeypatch.setenv("ORCH_TEST_API_TOKEN", SECRET)  # environment variables never reach a tracker
+    cfg = compose_config("cpu_gloo", ["logger=[tensorboard,mlflow]", "+k8s.env.HF_TOKEN=" + SECRET,
+                                      "run.id=track-1"])
+    trackers = open_trackers(cfg, tmp_path, rank=0)
+    assert trackers.names == ["tensorboard", "mlflow"]
+    trackers.log_config(cfg)
+    for step in STEPS:
+        trackers.log_metrics(step, {"loss": loss_at(step), "lr": 1e-3, "status": "ok", "bad": float("nan")})
+    trackers.close()
+    trackers.close()  # idempotent
+
+    assert tensorboard_scalars(tmp_path / "tensorboard", "loss") == pytest.approx({s: loss_at(s) for s in STEPS})
+    assert set(tensorboard_scalars(tmp_path / "tensorboard", "lr")) == set(STEPS)
+
+    client, run = mlflow_run((tmp_path / "mlruns").as_uri())
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert {m.step: m.value for m in history} == pytest.approx({s: loss_at(s) for s in STEPS})
+    assert set(run.data.metrics) == {"loss", "lr"}  # strings and NaN are not metrics
+    assert run.info.status == "FINISHED" and run.info.run_name == "track-1"
+    params = run.data.params
+    assert params["trainer.max_steps"] == "40" and params["preset"] == "cpu_gloo"
+    assert params["logger.mlflow.experiment"] == "orch"
+    assert not any(SECRET in v for v in params.values()) and "k8s.env.HF_TOKEN" not in params
+    event_bytes = b"".join(p.read_bytes() for p in (tmp_path / "tensorboard").iterdir())
+    assert SECRET.encode() not in event_bytes and b"trainer.max_steps" in event_bytes
+
+
+def test_settings_move_the_stores(tmp_path, monkeypatch, file_store_readable):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    for name in ("ORCH_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    tb_dir, store = tmp_path / "tb", tmp_path / "elsewhere" / "mlruns"
+    cfg = compose_config("cpu_gloo", ["logger=[mlflow,tensorboard]", f"logger.tensorboard.log_dir={tb_dir}",
+                                      f"logger.mlflow.tracking_uri={store.as_uri()}", "logger.mlflow.experiment=exp"])
+    with open_trackers(cfg, tmp_path / "run", rank=0) as trackers:
+        trackers.log_metrics(1, {"loss": 1.5})
+    assert tensorboard_scalars(tb_dir, "loss") == {1: 1.5}
+    _, run = mlflow_run(store.as_uri(), "exp")
+    assert run.data.metrics == {"loss": 1.5} and run.info.run_name == "run"  # no run.id: the run dir's name
+    assert not (tmp_path / "run").exists()
+
+
+def test_restarted_rank0_continues_the_same_mlflow_run(tmp_path, monkeypatch, file_store_readable):
+    """Workers restart after a failure or a membership change: one orch run stays one MLflow run."""
+    pytest.importorskip("mlflow")
+    monkeypatch.delenv("ORCH_RUN_ID", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "cpu_gloo-20261130-abcd")  # torchrun's rendezvous id = orch's run id
+    cfg = compose_config("cpu_gloo", ["logger=mlflow"])
+    for attempt, steps in enumerate(([1, 2, 3], [3, 4])):
+        with open_trackers(cfg, tmp_path, rank=0) as trackers:
+            trackers.log_config(cfg)
+            for step in steps:
+                trackers.log_metrics(step, {"loss": float(step + attempt)})
+    client, run = mlflow_run((tmp_path / "mlruns").as_uri())
+    assert run.info.run_name == "cpu_gloo-20261130-abcd" and run.info.status == "FINISHED"
+    history = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert sorted(history) == [(1, 1.0), (2, 2.0), (3, 3.0), (3, 4.0), (4, 5.0)]
+
+
+def test_wandb_offline_writes_its_run_under_the_run_dir(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="the wandb extra is not installed: pip install 'orch[wandb]'")
+    for name in [n for n in os.environ if n.startswith("WANDB_")]:
+        monkeypatch.delenv(name)  # the settings decide, not the developer's shell
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = compose_config("cpu_gloo", ["logger=wandb", "logger.wandb.project=orch-test"])
+    assert cfg.logger.wandb.mode == "offline"
+    with open_trackers(cfg, tmp_path, rank=0) as trackers:
+        trackers.log_config(cfg)
+        for step in STEPS:
+            trackers.log_metrics(step, {"loss": loss_at(step)})
+    [run_dir] = (tmp_path / "wandb").glob("offline-run-*")
+    [records] = run_dir.glob("run-*.wandb")
+    data = records.read_bytes()
+    assert b"loss" in data and b"trainer.max_steps" in data
+
+
+def test_other_ranks_and_logger_none_get_a_no_op(tmp_path):
+    cfg = compose_config("cpu_gloo", ["logger=[tensorboard,mlflow]"])
+    for trackers in (open_trackers(cfg, tmp_path, rank=1), open_trackers(compose_config("cpu_gloo"), tmp_path, 0),
+                     open_trackers(object(), tmp_path, 0)):
+        assert not trackers and trackers.names == []
+        trackers.log_config(cfg)
+        trackers.log_metrics(1, {"loss": 1.0})
+        trackers.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failing_tracker_is_dropped_and_the_others_keep_logging():
+    class Broken:
+        closed = False
+
+        def log_metrics(self, step, metrics):
+            raise OSError("disk full")
+
+        def close(self):
+            Broken.closed = True
+
+    class Recording:
+        def __init__(self):
+            self.seen = []
+
+        def log_metrics(self, step, metrics):
+            self.seen.append((step, metrics))
+
+        def close(self):
+            pass
+
+    good = Recording()
+    trackers = Trackers({"broken": Broken(), "good": good})
+    trackers.log_metrics(1, {"loss": 2.0})
+    trackers.log_metrics(2, {"loss": 1.0})
+    assert trackers.names == ["good"] and Broken.closed
+    assert good.seen == [(1, {"loss": 2.0}), (2, {"loss": 1.0})]
+
+
+def test_flatten_config_drops_env_blocks_and_masks_secrets():
+    flat = flatten_config({"a": {"b": 1, "c": None, "d": {}}, "l": [1, 2], "env": {"X": SECRET},
+                           "store": {"api_key": SECRET, "url": f"https://user:{SECRET}@host/x"}})
+    assert flat == {"a.b": "1", "a.c": "", "a.d": "{}", "l": "[1, 2]", "store.api_key": "<redacted>",
+                    "store.url": "https://user:***@host/x"}
+
+
+def test_numeric_metrics_keeps_finite_numbers_only():
+    import torch
+
+    values = numeric_metrics({"loss": torch.tensor(1.5), "step": 3, "ok": True, "s": "x", "n": None,
+                              "inf": float("inf"), "v": torch.ones(2)})
+    assert values == {"loss": 1.5, "step": 3.0}
+
+
+# --- the config group -------------------------------------------------------------------------------------
+
+
+def test_logger_defaults_to_none_and_a_list_selects_several():
+    assert compose_config("cpu_gloo").logger.enabled == []
+    assert compose_config("cpu_gloo", ["logger=none"]).logger.enabled == []
+    both = compose_config("cpu_gloo", ["logger=[tensorboard,mlflow]"]).logger
+    assert both.enabled == ["tensorboard", "mlflow"]
+    assert both.tensorboard.log_dir is None and both.mlflow.tracking_uri is None and both.mlflow.experiment == "orch"
+    assert both.wandb is None
+    wandb = compose_config("cpu_gloo", ["logger=wandb"]).logger.wandb
+    if wandb is not None:  # composes only where wandb is installed (validation checks the package)
+        assert (wandb.project, wandb.mode, wandb.dir) == ("orch", "offline", None)
+
+
+def test_logger_settings_survive_the_run_dir_config_yaml(tmp_path):
+    """Workers load ``config.yaml`` back onto the schema (as launch.py writes it)."""
+    from omegaconf import OmegaConf
+
+    cfg = compose_config("cpu_gloo", ["logger=[tensorboard,mlflow]", "logger.mlflow.experiment=e"])
+    path = tmp_path / "config.yaml"
+    path.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    assert load_run_config(str(path)).logger == cfg.logger
+
+
+@pytest.mark.parametrize("overrides, key, words", [
+    (["logger=nope"], "logger", "use one of mlflow, none, tensorboard, wandb"),
+    (["logger=[tensorboard,nope]"], "logger", "use one of mlflow, none, tensorboard, wandb"),
+    (["logger.mlflow.experiment=x"], "logger.mlflow.experiment", "logger=mlflow"),
+    (["logger=mlflow", "logger.mlflow.bogus=1"], "logger.mlflow.bogus", "not a known key"),
+    (["logger=tensorboard", "logger.wandb.mode=online"], "logger.wandb.mode", "logger=wandb"),
+])
+def test_bad_logger_config_names_key_and_fix(overrides, key, words):
+    with pytest.raises(ConfigError) as info:
+        compose_config("cpu_gloo", overrides)
+    message = str(info.value)
+    assert message.startswith(key) and words in message and "Fix:" in message and "\n" not in message
+
+
+def test_wandb_mode_is_checked(monkeypatch):
+    monkeypatch.setattr("orchestrator.tracking.api.package_installed", lambda package: True)
+    with pytest.raises(ConfigError, match=r"logger.wandb.mode='cloud' is not a known choice"):
+        compose_config("cpu_gloo", ["logger=wandb", "logger.wandb.mode=cloud"])
+
+
+@pytest.mark.parametrize("args, line", [
+    (["logger=nope"], "logger='nope' is not a known option of group 'logger'. "
+                      "Fix: use one of mlflow, none, tensorboard, wandb"),
+    (["logger=[tensorboard,mlflow]"], "logger=mlflow: the mlflow package is not installed. "
+                                      "Fix: pip install 'orch[mlflow]'"),
+])
+def test_cli_bad_logger_exits_2_with_one_line(tmp_path, capsys, monkeypatch, args, line):
+    from orchestrator.cli import main
+
+    monkeypatch.setattr("orchestrator.tracking.api.package_installed", lambda package: package != "mlflow")
+    assert main(["launch", "conf=cpu_gloo", *args, f"run.dir={tmp_path / 'run'}"]) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert lines == [f"orch: error: {line}"]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", ["tensorboard", "mlflow", "wandb"])
+def test_missing_package_names_the_extra(monkeypatch, name, tmp_path):
+    monkeypatch.setattr("orchestrator.tracking.api.package_installed", lambda package: False)
+    with pytest.raises(UserError) as info:
+        compose_config("cpu_gloo", [f"logger={name}"])
+    assert str(info.value) == f"logger={name}: the {name} package is not installed. Fix: pip install 'orch[{name}]'"
+    assert info.value.exit_code == 2
+    # open_trackers says the same where a worker lacks it (e.g. another Ray node)
+    monkeypatch.setattr("orchestrator.tracking.api.package_installed", lambda package: True)
+    cfg = compose_config("cpu_gloo", [f"logger={name}"])
+    monkeypatch.setattr("orchestrator.tracking.api.package_installed", lambda package: False)
+    with pytest.raises(UserError, match=f"pip install 'orch\\[{name}\\]'"):
+        open_trackers(cfg, tmp_path, rank=0)
+
+
+# --- end to end -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_launch_logs_to_tensorboard_and_mlflow(tmp_path, file_store_readable):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    from orchproc import read_jsonl, run_orch
+
+    run_dir = tmp_path / "run"
+    result = run_orch("launch", "conf=cpu_gloo", "launcher=local", "logger=[tensorboard,mlflow]",
+                      "trainer.max_steps=10", "trainer.log_every=2", f"run.dir={run_dir}", timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    logged = {m["step"]: m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl")}
+    assert sorted(logged) == STEPS
+    assert tensorboard_scalars(run_dir / "tensorboard", "loss") == pytest.approx(logged, rel=1e-6)
+    client, run = mlflow_run((run_dir / "mlruns").as_uri())
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert {m.step: m.value for m in history} == pytest.approx(logged)
+    assert run.info.status == "FINISHED" and run.data.params["trainer.max_steps"] == "10"
