@@ -88,14 +88,18 @@ def test_node_kill_resumes_at_smaller_world_with_every_sample_once(tmp_path):
     assert loaded and loaded[0]["world_size"] == 1 and loaded[0]["saved_world_size"] == 2
     assert loaded[0]["step"] >= max(e["step"] for e in events if e["event"] == "checkpoint_saved" and e["t"] < kill_t)
 
-    # The lineage that produced the final model: for each step, the records of its latest attempt.
+    # The lineage that produced the final model: for each step, the records of its latest attempt. An attempt
+    # is a rendezvous round (restart counts differ between a survivor and a node that joined later).
+    rounds = sorted(e["t"] for e in events if e["event"] == "rendezvous_complete")
     records = [r for rank in (0, 1) for r in read_jsonl(run_dir / "samples" / f"rank{rank}.jsonl")]
+    for r in records:
+        r["attempt"] = sum(1 for t in rounds if t <= r["t"])
     latest = defaultdict(int)
     for r in records:
-        latest[r["step"]] = max(latest[r["step"]], r["restart_count"])
+        latest[r["step"]] = max(latest[r["step"]], r["attempt"])
     ids_by_step = defaultdict(list)
     for r in records:
-        if r["restart_count"] == latest[r["step"]]:
+        if r["attempt"] == latest[r["step"]]:
             ids_by_step[r["step"]] += r["ids"]
     assert sorted(ids_by_step) == list(range(1, 101))
     assert all(len(ids) == 24 for ids in ids_by_step.values()), "the global batch stays 24 at every world size"

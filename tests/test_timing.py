@@ -125,6 +125,7 @@ def test_the_trainer_reports_its_start_up_before_the_first_step(tmp_path, monkey
     import torch.distributed as dist
 
     from orchestrator.config.compose import compose_config
+    from orchestrator.elastic import Session
     from orchestrator.rundir import EventLog
     from orchestrator.runtime.distributed import DistContext
     from orchestrator.runtime.trainer import Trainer
@@ -139,7 +140,8 @@ def test_the_trainer_reports_its_start_up_before_the_first_step(tmp_path, monkey
     try:
         startup.mark("process_group")
         events = EventLog(tmp_path)
-        Trainer(cfg, DistContext(0, 1, 0, 1, 0, 0), str(tmp_path), events, startup=startup).fit()
+        session = Session(cfg, DistContext(0, 1, 0, 1, 0, 0), str(tmp_path), step_timer=True, startup=startup)
+        Trainer(session).fit()
     finally:
         dist.destroy_process_group()
     names = [e["event"] for e in events.read()]

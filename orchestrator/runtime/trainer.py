@@ -1,51 +1,47 @@
-"""The built-in training loop: DDP, AMP, gradient accumulation, LR schedule, metrics, checkpoints."""
+"""The built-in training loop: DDP, AMP, gradient accumulation, LR schedule, on an elastic session.
+
+The session (orchestrator/elastic/) does the work at every step boundary, as it does for a user's script:
+metrics, the preemption agreement, periodic/emergency/final checkpoints, the restore at start. The trainer
+brings the model, optimizer, schedule and data from the run's config, and the step itself.
+"""
 
 from __future__ import annotations
 
+import time
+
 import contextlib
 import inspect
-import hashlib
 import random
-import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from hydra.utils import instantiate
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from orchestrator.config.schema import OrchConfig
-from orchestrator.rundir import EventLog, EventName, METRICS_FILE, append_jsonl
-from orchestrator.runtime.checkpointing import TrainingCheckpoints
-from orchestrator.runtime.distributed import DistContext, select_device
+from orchestrator.elastic import GlobalBatchSampler, Session
+from orchestrator.rundir import SAMPLES_DIR, append_jsonl
 from orchestrator.runtime.precision import MixedPrecision
-from orchestrator.runtime.preemption import PreemptionResponse
-from orchestrator.runtime.sampler import GlobalBatchSampler
-from orchestrator.runtime.timing import StartupTimes, StepTimer, latest_over_ranks, timer_for, with_other
 
 
 DDP_PARAMS = inspect.signature(DDP.__init__).parameters
 
-
-@dataclass
-class Progress:
-    """Where training stands; what a checkpoint must restore besides the tensors."""
-
-    step: int = 0
-    samples_consumed: int = 0
-    epoch: int = 0
+# Settings that change the math but not the shapes: a mismatch on resume warns (the shapes check refuses).
+FINGERPRINT_KEYS = ("model", "optim", "scheduler", "data.dataset", "trainer.global_batch_size", "trainer.seed",
+                    "trainer.grad_clip_norm", "amp")
 
 
-def params_sha256(model: torch.nn.Module) -> str:
-    """SHA-256 over parameter names and raw bytes in module order: equal only for bit-identical models."""
-    h = hashlib.sha256()
-    for name, p in model.named_parameters():
-        h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+def math_settings(cfg: OrchConfig) -> dict[str, Any]:
+    """The values of FINGERPRINT_KEYS, for :meth:`Session.fingerprint`."""
+    def value(key: str) -> Any:
+        obj: Any = cfg
+        for part in key.split("."):
+            obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
+        return obj
+
+    return {k: value(k) for k in FINGERPRINT_KEYS}
 
 
 def seed_everything(seed: int) -> None:
@@ -54,18 +50,17 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    """Trains ``cfg.model`` on ``cfg.data`` for ``cfg.trainer.max_steps`` optimizer steps in the current
-    process group. Rank 0 writes metrics.jsonl and the run's training events into ``run_dir``.
+    """Trains ``cfg.model`` on ``cfg.data`` for ``cfg.trainer.max_steps`` optimizer steps in ``session`` (whose
+    config is the run's, and whose ``timer`` is a StepTimer: ``elastic.init(step_timer=True)``). Rank 0 writes
+    metrics.jsonl and the run's training events into the session's run dir."""
 
-    ``startup``: the worker's start-up times so far (the entry point's); the trainer adds its own milestones
-    and rank 0 reports them all as ``worker_started`` before the first step."""
-
-    def __init__(self, cfg: OrchConfig, ctx: DistContext, run_dir: str, events: EventLog,
-                 timer: Optional[StepTimer] = None, startup: Optional[StartupTimes] = None):
-        self.cfg, self.ctx, self.run_dir, self.events = cfg, ctx, run_dir, events
-        self.startup = startup or StartupTimes()
-        self.device = select_device(cfg.cluster.device, ctx.local_rank)
-        self.timer = timer or timer_for(self.device)  # per-step time breakdown (runtime/timing.py)
+    def __init__(self, session: Session):
+        if session.cfg is None:
+            raise ValueError("the built-in trainer needs the run's config. Fix: elastic.init(config=<run dir>/config.yaml)")
+        self.session, self.cfg, self.ctx = session, session.cfg, session.ctx
+        cfg = self.cfg
+        self.device = session.device
+        self.timer = session.timer  # per-step time breakdown (runtime/timing.py)
         seed_everything(cfg.trainer.seed)  # identical init on every rank, before DDP's broadcast makes sure
         self.raw_model = instantiate(cfg.model, _convert_="all").to(self.device)
         self.model = self._wrap(self.raw_model)
@@ -73,11 +68,9 @@ class Trainer:
         self.scheduler = instantiate(cfg.scheduler, optimizer=self.optimizer, _convert_="all")
         self.precision = MixedPrecision(cfg.amp.enabled, cfg.amp.dtype, self.device)
         self.dataset = instantiate(cfg.data.dataset, _convert_="all")
-        self.progress = Progress()
-        self.checkpoints = TrainingCheckpoints(self, cfg.checkpoint.url or f"{run_dir}/checkpoints")
-        self.preemption = PreemptionResponse(self)
-        self.last_loss: Optional[float] = None
-        self.startup.mark("model")
+        session.fingerprint(math_settings(cfg))
+        session.register(model=self.raw_model, optim=self.optimizer, scheduler=self.scheduler,
+                         scaler=self.precision.scaler)
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         if self.cfg.trainer.compile:
@@ -99,9 +92,8 @@ class Trainer:
 
     def _loader(self) -> tuple[GlobalBatchSampler, DataLoader]:
         t, d = self.cfg.trainer, self.cfg.data
-        sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, t.micro_batch_size, self.ctx.world_size,
-                                     self.ctx.rank, seed=t.seed, start_sample=self.progress.samples_consumed,
-                                     drop_last=d.drop_last)
+        sampler = self.session.global_batch_sampler(len(self.dataset), t.global_batch_size, t.micro_batch_size,
+                                                    seed=t.seed, drop_last=d.drop_last)
         extra = {"prefetch_factor": d.prefetch_factor} if d.num_workers and d.prefetch_factor else {}
         loader = DataLoader(self.dataset, batch_sampler=sampler, num_workers=d.num_workers,
                             pin_memory=d.pin_memory and self.device.type == "cuda",
@@ -110,47 +102,19 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Train to max_steps; returns what rank 0 reports as the training result."""
-        t = self.cfg.trainer
-        self.checkpoints.restore()
-        self.startup.mark("restore")
+        t, session = self.cfg.trainer, self.session
+        session.restore()
         sampler, loader = self._loader()
         batches = iter(loader)
         print(f"[rank{self.ctx.rank}] world size {self.ctx.world_size}, {sampler.accumulation_steps} accumulation "
-              f"step(s), device {self.device}, starting at step {self.progress.step}", flush=True)
-        self.startup.mark("ready")
-        self._report_startup()
+              f"step(s), device {self.device}, starting at step {session.step}", flush=True)
         anomaly = torch.autograd.set_detect_anomaly(True) if t.detect_anomaly else contextlib.nullcontext()
-        window_start, window_steps = time.perf_counter(), 0
-        first_step = self.progress.step + 1
         with anomaly:
-            while self.progress.step < t.max_steps:
-                step_start = time.perf_counter()
-                self.timer.mark()
+            for step in session.steps():
                 loss, sample_ids = self.train_step(batches, sampler.accumulation_steps)
-                self.progress.step += 1
-                self.progress.samples_consumed += t.global_batch_size
-                self.progress.epoch = sampler.epoch_of(self.progress.samples_consumed)
-                window_steps += 1
-                self._record_samples(sample_ids)
-                if self.progress.step == first_step and self.ctx.is_main:  # what recovery times (MTTR) end on
-                    self.events.emit(EventName.FIRST_STEP, step=first_step, world_size=self.ctx.world_size,
-                                     restart_count=self.ctx.restart_count)
-                if self.progress.step % t.log_every == 0 or self.progress.step == t.max_steps:
-                    now = time.perf_counter()
-                    self._log_metrics(loss, now - window_start, window_steps, now - step_start)
-                    window_start, window_steps = now, 0
-                self.after_step()
-        return self.finish()
-
-    def _report_startup(self) -> None:
-        """Rank 0 writes ``worker_started``: each start-up milestone's latest time over all ranks (goodput splits
-        a recovery by them). One small all_gather per attempt; the first step would wait for the slowest rank
-        anyway."""
-        per_rank: list[Any] = [None] * self.ctx.world_size
-        dist.all_gather_object(per_rank, self.startup.fields())
-        if self.ctx.is_main:
-            self.events.emit(EventName.WORKER_STARTED, world_size=self.ctx.world_size, restart_count=self.ctx.restart_count,
-                             step=self.progress.step, **latest_over_ranks(per_rank))
+                self._record_samples(step, sample_ids)
+                session.step_done(loss=loss, samples=t.global_batch_size)
+        return session.finish()
 
     def train_step(self, batches, accumulation_steps: int) -> tuple[torch.Tensor, list[int]]:
         """One optimizer step over ``accumulation_steps`` micro-batches; DDP all-reduces only on the last."""
@@ -178,53 +142,10 @@ class Trainer:
         self.timer.lap("optimizer")
         return total, sample_ids
 
-    def after_step(self) -> None:
-        """Work at every step boundary: a coordinated emergency checkpoint on notice, else periodic ones."""
-        self.preemption.check()  # raises PreemptedExit after the emergency checkpoint
-        self.timer.mark()
-        self.checkpoints.maybe_save()
-        self.timer.lap("checkpoint")
-
-    def _log_metrics(self, loss: torch.Tensor, window_s: float, window_steps: int, step_time_s: float) -> None:
-        # The all-reduce runs only on logging steps, which every rank agrees on, to keep the loop lean.
-        # The step-time breakdown rides along in the same all-reduce: the record holds its mean over ranks.
-        timing = self.timer.window(window_steps)
-        packed = torch.cat([loss.reshape(1).float(), torch.tensor(list(timing.values()), device=loss.device)])
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM)
-        totals = packed.tolist()
-        self.last_loss = totals[0] / self.ctx.world_size
-        timing = {k: v / self.ctx.world_size for k, v in zip(timing, totals[1:])}
-        if not self.ctx.is_main:
-            return
-        record = {
-            "t": time.time(), "step": self.progress.step, "loss": self.last_loss,
-            "lr": self.scheduler.get_last_lr()[0], "world_size": self.ctx.world_size,
-            "samples_per_s": self.cfg.trainer.global_batch_size * window_steps / window_s,
-            "step_time_s": window_s / window_steps, "last_step_time_s": step_time_s,
-            "restart_count": self.ctx.restart_count,
-        }
-        if timing:
-            record["timing"] = with_other(timing, record["step_time_s"])
-        if self.precision.scaler.is_enabled():
-            record["grad_scale"] = self.precision.scaler.get_scale()
-        append_jsonl(Path(self.run_dir) / METRICS_FILE, record)
-        print(f"[rank{self.ctx.rank}] step {record['step']}/{self.cfg.trainer.max_steps} loss {record['loss']:.4f} "
-              f"lr {record['lr']:.2e} {record['samples_per_s']:.1f} samples/s world {self.ctx.world_size}", flush=True)
-
-    def _record_samples(self, sample_ids: list[int]) -> None:
+    def _record_samples(self, step: int, sample_ids: list[int]) -> None:
         """With trainer.record_sample_ids, each rank logs which samples each step trained on (for audits)."""
-        if self.cfg.trainer.record_sample_ids:
-            path = Path(self.run_dir) / "samples" / f"rank{self.ctx.rank}.jsonl"
+        if self.cfg.trainer.record_sample_ids and self.session.run_dir is not None:
+            path = Path(self.session.run_dir) / SAMPLES_DIR / f"rank{self.ctx.rank}.jsonl"
             path.parent.mkdir(exist_ok=True)
-            append_jsonl(path, {"step": self.progress.step, "ids": sample_ids, "world_size": self.ctx.world_size,
-                                "restart_count": self.ctx.restart_count})
-
-    def finish(self) -> dict[str, Any]:
-        self.preemption.stop()
-        self.checkpoints.finish()
-        result = {"steps_completed": self.progress.step, "final_loss": self.last_loss,
-                  "params_sha256": params_sha256(self.raw_model), "world_size": self.ctx.world_size,
-                  "progress": asdict(self.progress)}
-        if self.ctx.is_main:
-            self.events.emit(EventName.TRAINING_FINISHED, **result)
-        return result
+            append_jsonl(path, {"step": step, "ids": sample_ids, "world_size": self.ctx.world_size,
+                                "restart_count": self.ctx.restart_count, "t": time.time()})

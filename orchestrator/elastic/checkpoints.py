@@ -1,0 +1,127 @@
+"""A session's checkpoints: periodic, final and emergency saves, and the restore at start, through orch's
+:class:`~orchestrator.checkpoint.CheckpointManager` (fsspec, atomic by manifest-last, async writes).
+
+Rank 0 writes; every rank reads. Every rank calls :meth:`SessionCheckpoints.save` (the RNG states are
+gathered) and :meth:`SessionCheckpoints.restore` (rank 0 picks the checkpoint and broadcasts its step, so
+every rank loads the same one even while newer directories appear or are found corrupt).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import warnings
+from dataclasses import asdict, is_dataclass
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+from orchestrator.checkpoint import CheckpointManager
+from orchestrator.config.schema import CheckpointConfig
+from orchestrator.elastic import collectives
+from orchestrator.elastic.state import RNG_PAYLOAD, TrainingState, rng_state
+from orchestrator.rundir import EventName
+from orchestrator.runtime.distributed import DistContext
+
+Emit = Callable[..., Any]
+
+
+def hash_settings(settings: Mapping[str, Any]) -> dict[str, str]:
+    """A short hash per setting, so a mismatch on resume can be named key by key."""
+    def canonical(value: Any) -> str:
+        value = asdict(value) if is_dataclass(value) and not isinstance(value, type) else value
+        return json.dumps(value, sort_keys=True, default=str)
+
+    return {k: hashlib.sha256(canonical(v).encode()).hexdigest()[:12] for k, v in settings.items()}
+
+
+class SessionCheckpoints:
+    """Saves and restores ``state`` at ``url`` per ``cfg`` (``every_n_steps``, ``keep_last``, ``async_save``,
+    ``resume``; its ``url`` is ignored: ``url`` is the resolved one). ``emit(name, **fields)`` records events
+    (rank 0's; others pass a no-op). ``fingerprint``: a short hash per setting that changes the math: stored
+    in each checkpoint (:func:`hash_settings`); a resume whose fingerprint differs warns and emits
+    ``checkpoint_config_changed``.
+    ``seed`` seeds the RNGs of ranks the checkpointed job did not have."""
+
+    def __init__(self, cfg: CheckpointConfig, url: str, state: TrainingState, ctx: DistContext,
+                 device: torch.device, seed: int, emit: Emit, fingerprint: Optional[dict[str, str]] = None):
+        self.cfg, self.url, self.state, self.ctx, self.device, self.seed = cfg, url, state, ctx, device, seed
+        self.emit, self.fingerprint = emit, fingerprint
+        self.manager = CheckpointManager(url, keep_last=cfg.keep_last, async_save=cfg.async_save,
+                                         on_event=self._on_event)
+        self.last_saved_step: Optional[int] = None
+        self.last_save_s: Optional[float] = None  # stall + write of the latest committed save (rank 0)
+
+    def _on_event(self, name: str, fields: dict) -> None:
+        if name == EventName.CHECKPOINT_SAVED:
+            self.last_save_s = fields.get("stall_s", 0.0) + fields.get("write_s", 0.0)
+        self.emit(name, **fields)
+
+    def expected_save_s(self) -> Optional[float]:
+        """How long a synchronous save should take, judged from the last one (None before any)."""
+        return self.last_save_s
+
+    # -- save ---------------------------------------------------------------------------------------
+    def save(self, reason: str = "periodic") -> float:
+        """Checkpoint the current step (every rank calls this). Returns the seconds the loop was blocked."""
+        progress = self.state.progress
+        rngs = collectives.all_gather_object(rng_state(self.device), self.ctx.world_size)
+        stall_s = 0.0
+        if self.ctx.is_main:
+            metadata: dict[str, Any] = {}
+            if self.fingerprint is not None:
+                combined = hashlib.sha256(json.dumps(self.fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+                metadata = {"config_fingerprint": combined, "config_fingerprint_keys": self.fingerprint}
+            metadata.update({"world_size": self.ctx.world_size, "reason": reason, "step": progress.step,
+                             "samples_consumed": progress.samples_consumed, "epoch": progress.epoch})
+            payloads = {**self.state.payloads(self.ctx.world_size), RNG_PAYLOAD: {"per_rank": rngs}}
+            stall_s = self.manager.save(progress.step, payloads, metadata)
+        self.last_saved_step = progress.step
+        return stall_s
+
+    def maybe_save(self) -> None:
+        """The periodic save, every ``every_n_steps`` steps (0: none)."""
+        n = self.cfg.every_n_steps
+        if n and self.state.progress.step % n == 0:
+            self.save()
+
+    def finish(self) -> None:
+        """The final checkpoint (unless this step was just saved), then wait for any write in flight."""
+        if self.last_saved_step != self.state.progress.step:
+            self.save(reason="final")
+        if self.ctx.is_main:
+            self.manager.wait()
+
+    # -- restore ------------------------------------------------------------------------------------
+    def restore(self) -> Optional[int]:
+        """Load per ``resume`` (auto | never | step); returns the step restored, or None."""
+        if self.cfg.resume == "never":
+            return None
+        started = time.perf_counter()
+        loaded = None
+        if self.ctx.is_main:
+            wanted = None if self.cfg.resume == "auto" else int(self.cfg.resume)
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                loaded = self.manager.load(wanted)
+        step = collectives.broadcast_object(loaded.step if loaded else None)
+        if step is None:
+            return None
+        loaded = loaded if self.ctx.is_main else self.manager.load(step)
+        self.state.check(loaded.state, step)
+        self._warn_changed(loaded.metadata, step)
+        self.state.load(loaded.state, step, self.ctx.rank, self.seed, self.device)
+        self.last_saved_step = step
+        self.emit(EventName.CHECKPOINT_LOADED, step=step, world_size=self.ctx.world_size,
+                  saved_world_size=loaded.metadata.get("world_size"), restore_s=time.perf_counter() - started)
+        return step
+
+    def _warn_changed(self, metadata: dict[str, Any], step: int) -> None:
+        if self.fingerprint is None:
+            return
+        saved = metadata.get("config_fingerprint_keys", {})
+        changed = [k for k, v in self.fingerprint.items() if saved.get(k) != v]
+        if changed and self.ctx.is_main:
+            warnings.warn(f"resuming step {step} with changed settings: {', '.join(changed)}", RuntimeWarning)
+            self.emit(EventName.CHECKPOINT_CONFIG_CHANGED, step=step, keys=changed)

@@ -1,0 +1,339 @@
+"""The :class:`Session`: what a training script holds while it runs under orch (or without it).
+
+It owns the run's settings, the registered training state, and the work at every step boundary: metrics,
+the preemption agreement, periodic and emergency checkpoints. The usual way in is
+:func:`orchestrator.elastic.init`, which also finds the run's config and joins the process group.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, replace
+from typing import Any, Iterator, Mapping, Optional
+
+import torch
+
+from orchestrator.config.schema import CheckpointConfig, OrchConfig, PreemptionConfig, TrainerConfig
+from orchestrator.elastic import collectives
+from orchestrator.elastic.checkpoints import SessionCheckpoints, hash_settings
+from orchestrator.elastic.metrics import MetricsLog
+from orchestrator.elastic.preemption import PreemptedExit, PreemptionResponse
+from orchestrator.elastic.state import Progress, TrainingState, params_sha256
+from orchestrator.rundir import EventLog, EventName
+from orchestrator.runtime.distributed import DistContext, select_device
+from orchestrator.runtime.sampler import GlobalBatchSampler
+from orchestrator.runtime.timing import NullStepTimer, StartupTimes, latest_over_ranks, timer_for
+
+
+class Session:
+    """One worker's view of a training run. Every rank creates one and calls the same methods in the same
+    order (several of them are collectives).
+
+    ``cfg``: the run's config (``None``: the schema's defaults, e.g. outside orch). ``ctx``: who this worker is
+    (default: torchrun's environment; a lone process is rank 0 of 1). ``run_dir``: where events and metrics go
+    (``None``: nowhere). The keyword options override the config where given:
+
+    - ``checkpoint_url``: where checkpoints go (default ``checkpoint.url``, else ``<run_dir>/checkpoints``; with
+      neither, nothing is checkpointed and nothing restored);
+    - ``max_steps`` (``trainer.max_steps``), ``every_n_steps`` (``checkpoint.every_n_steps``: periodic saves,
+      0 = only the final one), ``log_every`` (``trainer.log_every``), ``seed`` (``trainer.seed``: seeds the RNGs
+      of ranks a checkpoint did not have);
+    - ``device``: ``cpu`` or ``cuda`` (default ``cluster.device``; without a config, CUDA when available);
+    - ``step_timer``: keep a :class:`~orchestrator.runtime.timing.StepTimer` as ``timer`` (mark its phases and
+      register it with DDP) whose per-phase breakdown each metrics record then carries;
+    - ``startup``: the worker's start-up times so far (rank 0 reports them as ``worker_started``).
+
+    A Session joins no process group itself (collectives go over the default group if there is one, and are
+    a world of one otherwise): :func:`orchestrator.elastic.init` joins it.
+    """
+
+    def __init__(self, cfg: Optional[OrchConfig] = None, ctx: Optional[DistContext] = None,
+                 run_dir: Optional[str] = None, *, checkpoint_url: Optional[str] = None,
+                 max_steps: Optional[int] = None, every_n_steps: Optional[int] = None,
+                 log_every: Optional[int] = None, seed: Optional[int] = None, device: Optional[str] = None,
+                 step_timer: bool = False, startup: Optional[StartupTimes] = None):
+        self.cfg, self.ctx, self.run_dir = cfg, ctx or DistContext.from_env(), run_dir
+        self.events = EventLog(run_dir) if run_dir is not None else None
+        trainer = cfg.trainer if cfg is not None else TrainerConfig()
+        ckpt = cfg.checkpoint if cfg is not None else CheckpointConfig()
+        if every_n_steps is not None:
+            ckpt = replace(ckpt, every_n_steps=every_n_steps)
+        self.max_steps: int = trainer.max_steps if max_steps is None else max_steps
+        """Optimizer steps to train for (``trainer.max_steps``)."""
+        self.every_n_steps: int = ckpt.every_n_steps
+        """Periodic checkpoint interval in steps (``checkpoint.every_n_steps``; 0: only the final save)."""
+        self.seed: int = trainer.seed if seed is None else seed
+        self.checkpoint_url = checkpoint_url or ckpt.url or (f"{run_dir}/checkpoints" if run_dir is not None else None)
+        if device is None:
+            device = cfg.cluster.device if cfg is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device: torch.device = select_device(device, self.ctx.local_rank)
+        self.timer = timer_for(self.device) if step_timer else NullStepTimer()
+        self.startup = startup or StartupTimes()
+        self.progress = Progress()
+        self.state = TrainingState(self.progress)
+        emit = self._emit if self.ctx.is_main else _ignore
+        self.checkpoints = (SessionCheckpoints(ckpt, self.checkpoint_url, self.state, self.ctx, self.device, self.seed,
+                                               emit) if self.checkpoint_url else None)
+        self.trackers = open_trackers_rank0(cfg, run_dir, self.ctx.rank) if self.ctx.is_main else None
+        self.log_every: int = trainer.log_every if log_every is None else log_every
+        """A metrics record every N steps (and at ``max_steps``)."""
+        self.metrics = MetricsLog(run_dir, self.ctx, self.device, self.timer, self.max_steps, self.log_every,
+                                  self.trackers)
+        self._preemption_cfg = cfg.preemption if cfg is not None else PreemptionConfig()
+        self.preemption: Optional[PreemptionResponse] = None  # watching from register()/restore() on
+        self.sampler: Optional[GlobalBatchSampler] = None
+        self._restored = self._started = False
+        self._attempt_steps = 0
+        self._step_start = time.perf_counter()
+        self._result: Optional[dict[str, Any]] = None
+        self.owns_process_group = False  # set by init(): the session then destroys it on exit
+
+    # -- who and where ----------------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.ctx.local_rank
+
+    @property
+    def is_main(self) -> bool:
+        return self.ctx.is_main
+
+    @property
+    def distributed(self) -> bool:
+        """Whether a process group exists (wrap the model in DDP then)."""
+        return collectives.grouped()
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed (restored ones included)."""
+        return self.progress.step
+
+    @property
+    def samples_consumed(self) -> int:
+        """Global samples trained on so far: the data position to resume at."""
+        return self.progress.samples_consumed
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        if self.events is not None:
+            self.events.emit(event, **fields)
+
+    # -- before the first step --------------------------------------------------------------------------------
+    def register(self, states: Optional[Mapping[str, Any]] = None, **named: Any) -> None:
+        """Checkpoint these ``Stateful`` objects (``state_dict``/``load_state_dict``) under their names:
+        ``register(model=m, optim=o)`` or torchtitan's ``register({"model": m, "train_state": s})``. A DDP or
+        compiled module is saved unwrapped. Rank 0's state is the one saved: register what is identical on every
+        rank (model, optimizer, scheduler, grad scaler under DDP). Call before :meth:`restore`."""
+        if self._restored:
+            raise RuntimeError("session.register() after restore(): the checkpoint is already loaded. Fix: register "
+                               "every state before session.restore() (or before iterating session.steps())")
+        self.state.register({**(states or {}), **named})
+        self.startup.mark("model")
+        self._watch()
+
+    def _watch(self) -> None:
+        """Start watching for preemption notices once the model is built, as the built-in trainer always has: a
+        SIGTERM before then (while joining the process group, say) keeps its default action."""
+        if self.preemption is None:
+            self.preemption = PreemptionResponse(self._preemption_cfg, self.ctx, self.run_dir, self.device,
+                                                 self.progress, self.checkpoints, self._emit)
+
+    def fingerprint(self, settings: Mapping[str, Any]) -> None:
+        """Keep a short hash of each of these settings (values that change the math but not the shapes: learning
+        rate, global batch, seed, ...) in every checkpoint; resuming under other values warns and records
+        ``checkpoint_config_changed`` naming them. Values are hashed as JSON (dataclasses as dicts). Call before
+        :meth:`restore`."""
+        if self.checkpoints is not None:
+            self.checkpoints.fingerprint = hash_settings(settings)
+
+    def restore(self) -> int:
+        """Load the newest valid checkpoint (per ``checkpoint.resume``) into the registered states; returns the
+        step it holds, the number of steps already done (0: a fresh start). Every rank calls it."""
+        if not self._restored:
+            self._watch()
+            if self.checkpoints is not None:
+                self.checkpoints.restore()
+            self._restored = True
+            self.startup.mark("restore")
+            self.metrics.start()
+        return self.progress.step
+
+    def global_batch_sampler(self, dataset_len: int, global_batch: int, micro_batch: int, *,
+                             seed: Optional[int] = None, drop_last: bool = True) -> GlobalBatchSampler:
+        """This rank's batch sampler (for ``DataLoader(batch_sampler=...)``), starting at the restored data
+        position: the global batch stays ``global_batch`` at every world size (``accumulation_steps`` =
+        global / (micro x world) micro-batches per step) and the order of samples is the same at every world
+        size, so a resumed run sees exactly what an uninterrupted one would. :meth:`step_done` then counts
+        ``global_batch`` samples per step and the epoch. Restores first if :meth:`restore` was not called."""
+        self.restore()
+        self.sampler = GlobalBatchSampler(dataset_len, global_batch, micro_batch, self.world_size, self.rank,
+                                          seed=self.seed if seed is None else seed,
+                                          start_sample=self.progress.samples_consumed, drop_last=drop_last)
+        return self.sampler
+
+    def steps(self) -> Iterator[int]:
+        """The steps still to train, ``step + 1 .. max_steps``; restores first if :meth:`restore` was not called.
+        Call :meth:`step_done` once at the end of every step."""
+        self.restore()
+        self._start()
+        while self.progress.step < self.max_steps:
+            step = self.progress.step + 1
+            self._step_start = time.perf_counter()
+            self.timer.mark()
+            yield step
+            if self.progress.step != step:
+                raise RuntimeError(f"session.steps() yielded step {step} but session.step_done() was called "
+                                   f"{self.progress.step - step + 1} times for it. Fix: call it once at the end of "
+                                   "every step")
+
+    def _start(self, late: bool = False) -> None:
+        """Rank 0 writes ``worker_started``: each start-up milestone's latest time over all ranks (goodput splits
+        a recovery by them). One small all_gather per attempt; the first step would wait for the slowest rank
+        anyway."""
+        if self._started:
+            return
+        self._started = True
+        self.startup.mark("ready")
+        per_rank = collectives.all_gather_object(self.startup.fields(), self.world_size)
+        if self.is_main:
+            self._emit(EventName.WORKER_STARTED, world_size=self.world_size, restart_count=self.ctx.restart_count,
+                       step=self.progress.step, **latest_over_ranks(per_rank))
+        if not late:
+            self.metrics.start()
+
+    # -- every step -------------------------------------------------------------------------------------------
+    def step_done(self, loss: Any = None, *, samples: Optional[int] = None,
+                  metrics: Optional[Mapping[str, Any]] = None) -> None:
+        """The step boundary, on every rank: count the step, log metrics (every ``log_every`` steps: ``loss`` and
+        ``metrics``, floats or one-element tensors, averaged over ranks), agree on a preemption notice (then
+        save and raise :class:`PreemptedExit`), save periodically. ``samples``: global samples this step trained
+        on (default: the global batch of :meth:`global_batch_sampler`; else 0, and samples/s reads 0)."""
+        if not self._restored:
+            raise RuntimeError("session.step_done() before restore(): a resumed run would train its steps again. Fix: "
+                               "call session.restore() before the first step, or iterate session.steps()")
+        self._start(late=True)
+        if samples is None:
+            samples = self.sampler.G if self.sampler is not None else 0
+        p = self.progress
+        p.step += 1
+        p.samples_consumed += samples
+        if self.sampler is not None:
+            p.epoch = self.sampler.epoch_of(p.samples_consumed)
+        self._attempt_steps += 1
+        if self._attempt_steps == 1 and self.is_main:  # what recovery times (MTTR) end on
+            self._emit(EventName.FIRST_STEP, step=p.step, world_size=self.world_size,
+                       restart_count=self.ctx.restart_count)
+        self.metrics.step_done(p.step, samples, time.perf_counter() - self._step_start, loss, metrics, self._fields)
+        try:
+            self.preemption.check()  # raises PreemptedExit after the emergency checkpoint (watching since restore)
+        except PreemptedExit:
+            self._close_trackers()
+            raise
+        self.timer.mark()
+        if self.checkpoints is not None:
+            self.checkpoints.maybe_save()
+        self.timer.lap("checkpoint")
+        self._step_start = time.perf_counter()
+
+    def _fields(self) -> dict[str, Any]:
+        """``lr`` (the first registered LR scheduler's, else optimizer's) and ``grad_scale`` (an enabled scaler's)."""
+        components = list(self.state.components.values())
+        lrs = [o.get_last_lr()[0] for o in components if hasattr(o, "get_last_lr")]
+        lrs += [o.param_groups[0]["lr"] for o in components if isinstance(o, torch.optim.Optimizer)]
+        scales = [o.get_scale() for o in components if isinstance(o, torch.amp.GradScaler) and o.is_enabled()]
+        return {"lr": lrs[0] if lrs else None, "grad_scale": scales[0] if scales else None}
+
+    # -- the end ----------------------------------------------------------------------------------------------
+    def finish(self, **fields: Any) -> dict[str, Any]:
+        """After the last step, on every rank: the final checkpoint (unless this step is saved), wait for writes,
+        and rank 0 records ``training_finished`` with ``steps_completed``, ``final_loss``, ``params_sha256`` (of the
+        first registered module), ``world_size``, ``progress`` and ``fields``. Returns that record; idempotent."""
+        if self._result is not None:
+            return self._result
+        if self.preemption is not None:
+            self.preemption.stop()
+        if self.checkpoints is not None:
+            self.checkpoints.finish()
+        result: dict[str, Any] = {"steps_completed": self.progress.step, "final_loss": self.metrics.last_loss}
+        model = self.state.first_model()
+        if model is not None:
+            result["params_sha256"] = params_sha256(model)
+        result.update(world_size=self.world_size, progress=asdict(self.progress), **fields)
+        if self.is_main:
+            self._emit(EventName.TRAINING_FINISHED, **result)
+        self._close_trackers()
+        self._result = result
+        return result
+
+    def _close_trackers(self) -> None:
+        if self.trackers is not None:
+            trackers, self.trackers = self.trackers, None
+            self.metrics.trackers = None
+            trackers.close()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        """Leaving the ``with`` block: :meth:`finish` if it ended normally; on :class:`PreemptedExit` under
+        torchrun, exit with 75 at once; on an error, rank-tagged ``worker_failed`` and torchrun's error file."""
+        if exc is None:
+            self.finish()
+        elif isinstance(exc, PreemptedExit):
+            self._close_trackers()
+            if "TORCHELASTIC_RUN_ID" in os.environ:
+                # Not a failure: the emergency checkpoint is committed and every rank passed the barrier after it;
+                # events and metrics are appended line by line. Leave now: a torch interpreter's teardown takes
+                # 1-2 s on a busy node, and the survivors' restart waits for this exit.
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(exc.code)
+        elif not isinstance(exc, SystemExit) or exc.code:
+            self._close_trackers()
+            report_failure(self.events, self.ctx, exc_type, exc, tb)
+        self.close()
+        return False
+
+    def close(self) -> None:
+        """Destroy the process group if :func:`init` created it."""
+        if self.owns_process_group and collectives.grouped():
+            torch.distributed.destroy_process_group()
+        self.owns_process_group = False
+
+
+def report_failure(events: Optional[EventLog], ctx: DistContext, exc_type, exc, tb) -> None:
+    """``worker_failed`` naming this rank (the launcher names the earliest failing rank as the root cause), and
+    torchrun's error file (its summary then names the rank too)."""
+    if events is not None:
+        events.emit(EventName.WORKER_FAILED, rank=ctx.rank, node=ctx.node, restart_count=ctx.restart_count,
+                    error=f"{exc_type.__name__}: {exc}",
+                    traceback="".join(traceback.format_exception(exc_type, exc, tb))[-4000:])
+    if "TORCHELASTIC_ERROR_FILE" in os.environ and isinstance(exc, Exception):
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+        get_error_handler().record_exception(exc)
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    pass
+
+
+def open_trackers_rank0(cfg: Optional[OrchConfig], run_dir: Optional[str], rank: int) -> Any:
+    """Rank 0's experiment trackers (the ``logger`` config group, orchestrator/tracking/), with the run's config
+    logged; None outside an orch run (no config or no run dir)."""
+    if cfg is None or run_dir is None:
+        return None
+    from orchestrator.tracking import open_trackers  # only rank 0 of an orch run needs it
+
+    trackers = open_trackers(cfg, run_dir, rank)
+    trackers.log_config(cfg)
+    return trackers

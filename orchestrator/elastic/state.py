@@ -1,0 +1,166 @@
+"""What a checkpoint holds: the registered ``Stateful`` components, the session's progress, per-rank RNG states.
+
+Payloads (one file each, see orchestrator/checkpoint/): one per registered component (``"model"``, ``"optim"``,
+...: its ``state_dict()``), ``"trainer"`` (the progress: step, samples consumed, epoch, and the world size it was
+saved at) and ``"rng"`` (every rank's RNG states). Rank 0's components are the job's: under DDP the model,
+optimizer, scheduler and grad scaler are identical on every rank. RNG states differ per rank: they are gathered.
+On restore at another world size, ranks that existed before get their own RNG state back and new ranks are
+seeded from (seed, rank, step); the data position is a global sample index (``GlobalBatchSampler``), so the
+data continues exactly where the job stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Optional, Protocol, runtime_checkable
+
+import torch
+
+from orchestrator.checkpoint import CheckpointError
+
+PROGRESS_PAYLOAD = "trainer"  # the built-in trainer's name for it since its first checkpoints: kept so they resume
+RNG_PAYLOAD = "rng"
+RESERVED_NAMES = (PROGRESS_PAYLOAD, RNG_PAYLOAD)
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a payload is a file: <name>.pt
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` and ``load_state_dict(state)`` (torch's ``Stateful``): modules, optimizers,
+    LR schedulers, grad scalers, or an object of your own."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+@dataclass
+class Progress:
+    """Where training stands; what a checkpoint must restore besides the tensors."""
+
+    step: int = 0
+    """Optimizer steps completed."""
+    samples_consumed: int = 0
+    """Global samples trained on: the data position (``GlobalBatchSampler(start_sample=...)``)."""
+    epoch: int = 0
+
+
+def unwrap(obj: Any) -> Any:
+    """The module DDP or ``torch.compile`` wraps: its state dict has no ``module.``/``_orig_mod.`` prefixes, so a
+    checkpoint loads with or without the wrapper (a single process uses no DDP)."""
+    while True:
+        if isinstance(obj, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            obj = obj.module
+        elif isinstance(obj, torch.nn.Module) and isinstance(getattr(obj, "_orig_mod", None), torch.nn.Module):
+            obj = obj._orig_mod  # torch.compile's OptimizedModule
+        else:
+            return obj
+
+
+def params_sha256(model: torch.nn.Module) -> str:
+    """SHA-256 over parameter names and raw bytes in module order: equal only for bit-identical models."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    random.setstate(_to_tuple(state["python"]))
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _to_tuple(value: Any) -> Any:
+    return tuple(_to_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def check_model_fits(checkpoint_model: dict[str, torch.Tensor], model: torch.nn.Module, step: int,
+                     name: str = "model") -> None:
+    """Refuse a checkpoint whose parameter names or shapes differ, listing every differing key
+    (instead of ``strict=False`` silently leaving layers at their random init)."""
+    current = model.state_dict()
+    missing = sorted(set(current) - set(checkpoint_model))
+    unexpected = sorted(set(checkpoint_model) - set(current))
+    reshaped = sorted(f"{k} {tuple(checkpoint_model[k].shape)}->{tuple(current[k].shape)}"
+                      for k in set(current) & set(checkpoint_model) if checkpoint_model[k].shape != current[k].shape)
+    if missing or unexpected or reshaped:
+        parts = [f"{what} ({len(keys)}): {', '.join(keys[:20])}{' ...' if len(keys) > 20 else ''}"
+                 for what, keys in (("missing", missing), ("unexpected", unexpected), ("shape changed", reshaped))
+                 if keys]
+        which = "the model" if name == "model" else f"the model {name!r}"
+        raise CheckpointError(f"checkpoint step {step} does not fit {which} ({'; '.join(parts)}). Fix: resume with "
+                              "the model it was saved from, or start fresh with checkpoint.resume=never or a new "
+                              "checkpoint.url")
+
+
+class TrainingState:
+    """The named components a session checkpoints (registration order), and its :class:`Progress`."""
+
+    def __init__(self, progress: Progress):
+        self.progress = progress
+        self.components: dict[str, Any] = {}
+
+    def register(self, states: Mapping[str, Any]) -> None:
+        """Add ``states`` (name -> Stateful). Raises ValueError naming a bad name or an object without
+        ``state_dict``/``load_state_dict``."""
+        for name, obj in states.items():
+            if not isinstance(name, str) or not _NAME_RE.match(name) or name == "manifest":
+                raise ValueError(f"state name {name!r} is not usable as a checkpoint file name. Fix: letters, digits, "
+                                 "_ . - starting with a letter or digit (not 'manifest')")
+            if name in RESERVED_NAMES:
+                raise ValueError(f"state name {name!r} is the session's own ({', '.join(RESERVED_NAMES)}: progress and "
+                                 "RNG states are saved for you). Fix: register it under another name")
+            obj = unwrap(obj)
+            if not isinstance(obj, Stateful):
+                raise ValueError(f"state {name!r} ({type(obj).__name__}) has no state_dict()/load_state_dict(). Fix: "
+                                 "register a module, optimizer, scheduler, grad scaler or an object with both methods")
+            self.components[name] = obj
+
+    def first_model(self) -> Optional[torch.nn.Module]:
+        """The first registered module (the one ``params_sha256`` in ``training_finished`` is computed over)."""
+        return next((obj for obj in self.components.values() if isinstance(obj, torch.nn.Module)), None)
+
+    def payloads(self, world_size: int) -> dict[str, Any]:
+        """What rank 0 saves, without the RNG states (the caller gathers those)."""
+        return {**{name: obj.state_dict() for name, obj in self.components.items()},
+                PROGRESS_PAYLOAD: {**asdict(self.progress), "world_size": world_size}}
+
+    def check(self, state: dict[str, Any], step: int) -> None:
+        """Refuse, before anything is loaded, a checkpoint that lacks a registered component or whose modules
+        differ from the registered ones."""
+        missing = [name for name in self.components if name not in state]
+        if missing:
+            raise CheckpointError(f"checkpoint step {step} has no {', '.join(map(repr, missing))} (it holds "
+                                  f"{', '.join(sorted(state))}). Fix: register the states it was saved with, or start "
+                                  "fresh with checkpoint.resume=never or a new checkpoint.url")
+        for name, obj in self.components.items():
+            if isinstance(obj, torch.nn.Module):
+                check_model_fits(state[name], obj, step, name)
+
+    def load(self, state: dict[str, Any], step: int, rank: int, seed: int, device: torch.device) -> None:
+        """Load every component, the progress, and this rank's RNG states (``check`` first)."""
+        for name, obj in self.components.items():
+            obj.load_state_dict(state[name])
+        saved = state[PROGRESS_PAYLOAD]
+        self.progress.step, self.progress.samples_consumed = saved["step"], saved["samples_consumed"]
+        self.progress.epoch = saved["epoch"]
+        per_rank = state[RNG_PAYLOAD]["per_rank"]
+        if rank < len(per_rank):
+            set_rng_state(per_rank[rank], device)
+        else:  # a rank the checkpointed job did not have: seeded, reproducibly, from where it joins
+            random.seed(seed * 1_000_003 + rank * 7919 + step)
+            torch.manual_seed(seed * 1_000_003 + rank * 7919 + step)
+
