@@ -3,8 +3,9 @@ the rendezvous store, and places one node agent per node on a Ray cluster.
 
 With no ``cluster.address`` it starts an embedded single-node Ray (nothing to set up; agents pack on this
 machine). With ``auto``, ``HOST:PORT`` or ``ray://HOST:PORT`` it joins an existing cluster (agents spread, one
-per Ray node); an address that does not answer within seconds exits 2 before anything is written. The run dir
-must be on storage every node sees (as on one machine, or NFS), since agents and workers write into it.
+per Ray node) and ships the working directory to its nodes (``shipped_runtime_env``); an address that does not
+answer within seconds exits 2 before anything is written. The run dir must be on storage every node sees (as on
+one machine, or NFS), since agents and workers write into it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from orchestrator.rundir import EventLog, EventName
 CONNECT_TIMEOUT_S = 5.0
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 EMBEDDED_OBJECT_STORE_BYTES = 128 * 1024 * 1024  # orch passes no large objects; keep /dev/shm free for workers
+WORKING_DIR_EXCLUDES = (".git", ".hg", ".venv", "venv", "__pycache__", "*.pyc", ".pytest_cache", "/runs")
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 ABANDONED = False  # set by _abandon_ray: the CLI then leaves with os._exit (see orchestrator/cli.py)
 
 
@@ -44,6 +47,7 @@ def connect(cfg: OrchConfig) -> str:
         return start_head(state_for_launch(cfg.cluster.testcluster, cfg.cluster.max_nodes))
     if not address:
         c = cfg.cluster
+        logging.getLogger(RAY_AUTH_LOGGER).addFilter(_no_auth_enabled_notice)
         try:
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(c.max_nodes * c.cpus_per_node)),
                      include_dashboard=False, object_store_memory=EMBEDDED_OBJECT_STORE_BYTES, **quiet)
@@ -53,13 +57,44 @@ def connect(cfg: OrchConfig) -> str:
         return "embedded"
     host, port = _endpoint(address)
     _probe(address, host, port)
+    runtime_env = shipped_runtime_env(cfg, os.getcwd())
     try:
-        ray.init(address=address, **quiet)
+        ray.init(address=address, runtime_env=runtime_env, **quiet)
     except (ConnectionError, RuntimeError, TimeoutError, ValueError, SystemExit) as exc:
+        if isinstance(exc, ValueError) and "exceeds the maximum size" in str(exc):
+            raise EnvironmentMismatch(f"cluster.address={address!r}: the working directory {os.getcwd()} is too big "
+                                      f"to ship to the cluster ({str(exc).splitlines()[0]}). Fix: run orch from your "
+                                      "project's directory, or list large folders in its .rayignore") from None
         raise EnvironmentMismatch(f"cluster.address={address!r}: could not join the Ray cluster ({exc}). "
                                   "Fix: check the address (`ray status` on the head node), or drop cluster.address "
                                   "to use the embedded Ray") from None
     return address
+
+
+def _no_auth_enabled_notice(record: logging.LogRecord) -> bool:
+    """The embedded Ray is orch's own, started and stopped with the run: its notice that token authentication
+    is on (Ray's default) asks nothing of the user, so it is not shown. Every other Ray warning still is."""
+    return "Token authentication is enabled" not in record.getMessage()
+
+
+def shipped_runtime_env(cfg: OrchConfig, cwd: str) -> Optional[dict]:
+    """Ray's job ``runtime_env`` when joining a cluster (``cluster.address``): this working directory, shipped
+    to every node, so that the entrypoint (a relative script path, a module, ``PYTHONPATH`` entries under it)
+    imports there as it does here. Node agents start in the copy unless the same path exists on their machine
+    (shared storage). None for the embedded Ray and test clusters: their nodes are this machine.
+
+    Left out of the copy: version control, virtual environments, caches, ``runs/`` and the run dir and local
+    checkpoint dir when under ``cwd`` (they are written, not read), plus whatever ``.gitignore`` and
+    ``.rayignore`` list (Ray reads them)."""
+    if not cfg.cluster.address or cfg.cluster.testcluster:
+        return None
+    excludes = list(WORKING_DIR_EXCLUDES)
+    for path in (cfg.run.dir, cfg.checkpoint.url):
+        if path and "://" not in path:
+            rel = os.path.relpath(os.path.abspath(path), cwd)
+            if rel != "." and not rel.startswith(".."):
+                excludes.append(f"/{rel}")
+    return {"working_dir": cwd, "excludes": excludes}
 
 
 def _endpoint(address: str) -> tuple[str, int]:

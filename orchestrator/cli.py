@@ -30,14 +30,12 @@ def _launch_epilog() -> str:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from orchestrator.config.compose import compose_config
-    from orchestrator.launch import launch
+    import orchestrator
 
     preset, overrides = split_preset(args.overrides)
-    cfg = compose_config(preset, overrides)
-    summary = launch(cfg, dry_run=args.dry_run)
+    result = orchestrator.launch(preset, overrides, echo=sys.stdout, dry_run=args.dry_run)
     if not args.dry_run:
-        print(format_summary(summary, cfg.run.dir))
+        print(format_summary(result.summary, result.run_dir))
     return 0
 
 

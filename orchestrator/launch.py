@@ -1,7 +1,7 @@
-"""``orch launch``: composed config -> run dir -> plan -> launcher -> summary.
+"""``orch launch`` and ``orchestrator.launch``: composed config -> run dir -> plan -> launcher -> summary.
 
 Nothing is written before every check has passed: a bad config or a machine that cannot run the plan
-exits 2 with no run dir left behind.
+exits 2 with no run dir left behind. Nothing is printed unless ``echo`` asks for it (the CLI passes stdout).
 """
 
 from __future__ import annotations
@@ -10,22 +10,24 @@ import contextlib
 import secrets
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, TextIO
+from typing import Any, Optional, Sequence, TextIO
 
 from omegaconf import OmegaConf
 
 from orchestrator.config.schema import OrchConfig
-from orchestrator.errors import Interrupted, Preempted, RunFailed
-from orchestrator.plan.plan import CONFIG_FILE, build_plan
+from orchestrator.errors import Interrupted, OrchError, Preempted, RunFailed
+from orchestrator.plan.plan import CONFIG_FILE, LaunchPlan, build_plan
 from orchestrator.plan.resources import check_local_resources
 from orchestrator.report.progress import RunProgress
 from orchestrator.report.summary import write_summary
 from orchestrator.testcluster.state import state_for_launch
 
 
-def resolve_run_dir(cfg: OrchConfig) -> str:
-    """``run.dir`` if set, else ``runs/<preset>/<timestamp>``; returned absolute, as workers need it."""
+def resolve_run_dir(cfg: Any) -> str:
+    """``run.dir`` if set, else ``runs/<preset>/<timestamp>``; returned absolute, as workers need it.
+    ``cfg``: an OrchConfig, or the composed DictConfig before validation (see compose_for_launch)."""
     path = cfg.run.dir or f"runs/{cfg.preset}/{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     return str(Path(path).resolve())
 
@@ -63,17 +65,52 @@ def preflight_checkpoints(cfg: OrchConfig) -> None:
 STDOUT = "stdout"  # echo to whatever sys.stdout is when launch() is called (not when this module was imported)
 
 
-def launch(cfg: OrchConfig, dry_run: bool = False, echo: Optional[TextIO] | str = STDOUT) -> dict:
-    """Run ``cfg`` (or print its plan when ``dry_run``); returns the summary. Raises RunFailed on failure.
-    ``echo``: where node output and progress go (None: nowhere)."""
-    if echo == STDOUT:
-        echo = sys.stdout
+@dataclass(frozen=True)
+class LaunchResult:
+    """What one launch did. ``status``: ``succeeded``, or ``dry-run`` (nothing ran; ``plan`` holds the plan).
+    ``summary``: the run's ``summary.json`` as a dict (empty for a dry run). A run that did not succeed raises
+    instead (RunFailed, Preempted, Interrupted), with its LaunchResult as the error's ``result`` attribute."""
+
+    status: str
+    run_dir: str
+    run_id: str
+    summary: dict = field(default_factory=dict)
+    plan: Optional[LaunchPlan] = field(default=None, repr=False, compare=False)
+
+
+def compose_for_launch(preset: str, overrides: Sequence[str] = ()) -> OrchConfig:
+    """Compose and validate ``preset`` with ``overrides`` for a launch: ``run.dir`` is made final (absolute,
+    the default one chosen) before interpolations resolve, so ``${run.dir}`` anywhere in the config (e.g.
+    ``entrypoint.args=[--out,'${run.dir}/out']``) is the run dir the run writes to."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from orchestrator.config.compose import compose_dictconfig, to_validated
+
+    composed = compose_dictconfig(preset, overrides)
+    try:
+        composed.run.dir = resolve_run_dir(composed)
+    except OmegaConfBaseException:
+        pass  # a missing preset name or a bad run.dir interpolation: validation names the key and the fix
+    return to_validated(composed)
+
+
+def launch_preset(preset: str, overrides: Sequence[str] = (), *, echo: Optional[TextIO] = None,
+                  dry_run: bool = False) -> LaunchResult:
+    """``orchestrator.launch``: compose ``preset`` with ``overrides`` and run it (see :func:`launch_config`)."""
+    return launch_config(compose_for_launch(preset, overrides), dry_run=dry_run, echo=echo)
+
+
+def launch_config(cfg: OrchConfig, *, dry_run: bool = False, echo: Optional[TextIO] = None) -> LaunchResult:
+    """Run ``cfg``, or only plan it when ``dry_run``. ``echo``: where node output, live progress and a dry
+    run's plan go; None: nowhere (the run dir has everything). Returns the LaunchResult of a run that
+    succeeded; raises UserError (exit 2, nothing written), RunFailed, Preempted or Interrupted otherwise."""
     cfg.run.dir = resolve_run_dir(cfg)
     run_id = new_run_id(cfg)
     plan = build_plan(cfg, cfg.run.dir, run_id, testcluster=state_for_launch(cfg.cluster.testcluster, cfg.cluster.max_nodes))
     if dry_run:
-        print(plan.format_text(), file=echo or sys.stdout)
-        return {"status": "dry-run", "plan": plan}
+        if echo is not None:
+            print(plan.format_text(), file=echo)
+        return LaunchResult("dry-run", cfg.run.dir, run_id, plan=plan)
     check_local_resources(plan, cfg.cluster)
     preflight_checkpoints(cfg)
     # Live progress (tailing the run dir) shares the terminal with node output: launchers write through it.
@@ -84,19 +121,35 @@ def launch(cfg: OrchConfig, dry_run: bool = False, echo: Optional[TextIO] | str 
     with progress or contextlib.nullcontext():
         status = launcher.run()
     summary = write_summary(cfg.run.dir)
+    result = LaunchResult(status, cfg.run.dir, run_id, summary, plan)
+    if status == "succeeded":
+        return result
     if status == "preempted":
-        raise Preempted(f"run preempted: every node saved an emergency checkpoint and left; launch the same "
-                        f"command again to resume (run dir: {cfg.run.dir})")
-    if status == "interrupted":
-        raise Interrupted(f"run interrupted; every node stopped (run dir: {cfg.run.dir})")
-    if status != "succeeded":
+        error: OrchError = Preempted(f"run preempted: every node saved an emergency checkpoint and left; launch the "
+                                     f"same command again to resume (run dir: {cfg.run.dir})")
+    elif status == "interrupted":
+        error = Interrupted(f"run interrupted; every node stopped (run dir: {cfg.run.dir})")
+    else:
         cause = summary.get("root_cause") or {}
         who = f"rank {cause['rank']} (node {cause.get('node')})" if cause.get("rank") is not None else (
             f"node {cause.get('node')}" if cause else "unknown")
         reason = f"{summary['failure_reason']}; " if summary.get("failure_reason") else ""
-        raise RunFailed(f"run {status}: {reason}root cause {who}: {cause.get('error', 'no error recorded')} "
-                        f"(run dir: {cfg.run.dir})")
-    return summary
+        error = RunFailed(f"run {status}: {reason}root cause {who}: {cause.get('error', 'no error recorded')} "
+                          f"(run dir: {cfg.run.dir})")
+    error.result = result  # type: ignore[attr-defined]
+    raise error
+
+
+def launch(cfg: OrchConfig, dry_run: bool = False, echo: Optional[TextIO] | str = STDOUT) -> dict:
+    """Run ``cfg`` (or print its plan when ``dry_run``); returns the summary. Raises RunFailed on failure.
+    ``echo``: where node output and progress go (None: nowhere; a dry run's plan then goes to stdout).
+    The older form of :func:`launch_config`, kept for callers that hold a composed config."""
+    if echo == STDOUT:
+        echo = sys.stdout
+    if dry_run:
+        result = launch_config(cfg, dry_run=True, echo=echo or sys.stdout)
+        return {"status": "dry-run", "plan": result.plan}
+    return launch_config(cfg, echo=echo).summary
 
 
 def _launcher(cfg: OrchConfig, run_id: str, echo: Optional[TextIO]):

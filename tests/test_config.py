@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from orchestrator.config.compose import compose_config, list_presets
@@ -178,3 +181,140 @@ def test_a_pod_running_one_node_needs_one_nodes_gpus_and_joining_ray_needs_none_
     err = capsys.readouterr().err
     assert "no Ray cluster answers" in err, err
     assert "CUDA" not in err and not (tmp_path / "ray").exists()
+
+
+# -- user scripts, simulated GPU nodes, the agents' environment (issue 12) ------------------------------------
+
+
+def test_batch_checks_apply_only_to_the_builtin_trainer(tmp_path, capsys):
+    from orchestrator.cli import main
+
+    # 16 is not divisible by 8 x 8; the built-in trainer refuses it, a user script never reads trainer.*.
+    args = ["launch", "conf=cpu_gloo", "cluster.nproc_per_node=4", f"run.dir={tmp_path / 'run'}", "--dry-run"]
+    assert main([*args, "entrypoint.script=x.py"]) == 0
+    assert "x.py" in capsys.readouterr().out
+    assert main(args) == 2
+    assert "trainer.global_batch_size" in capsys.readouterr().err
+
+
+def test_run_dir_interpolations_in_entrypoint_args_see_the_final_run_dir(tmp_path, monkeypatch):
+    from orchestrator.launch import compose_for_launch
+    from orchestrator.plan.plan import build_plan
+
+    monkeypatch.chdir(tmp_path)
+    for run_dir, expected in (("rel/run", tmp_path / "rel" / "run"), (None, None)):
+        cfg = compose_for_launch("cpu_gloo", ["entrypoint.script=x.py", "entrypoint.args=[--out,'${run.dir}/out']",
+                                              *([f"run.dir={run_dir}"] if run_dir else [])])
+        final = cfg.run.dir
+        assert Path(final).is_absolute() and (expected is None or final == str(expected))
+        assert expected is not None or final.startswith(str(tmp_path / "runs" / "cpu_gloo"))
+        plan = build_plan(cfg, final, "rid")
+        assert plan.nodes[0].argv[-3:] == ("x.py", "--out", f"{final}/out")
+    assert not (tmp_path / "rel").exists() and not (tmp_path / "runs").exists()  # composing writes nothing
+
+
+@pytest.mark.parametrize("overrides, devices, expected", [
+    ([], None, ["0,1", "2,3"]),                                   # every device, by index
+    ([], ["4", "5", "6", "7"], ["4,5", "6,7"]),                   # an existing CUDA_VISIBLE_DEVICES list
+    ([], ["GPU-a", "GPU-b", "GPU-c"], ["GPU-a,GPU-b", None]),      # too few: the resource check refuses the launch
+    (["cluster.node_index=1"], ["0", "1"], [None, None]),         # a pod: its own GPUs, untouched
+    (["launcher=ray"], None, [None, None]),                       # Ray sets CUDA_VISIBLE_DEVICES per actor
+])
+def test_simulated_cuda_nodes_get_disjoint_gpus(overrides, devices, expected):
+    from orchestrator.plan.plan import build_plan
+
+    cfg = compose_config("bert8gpu", ["launcher=local", "cluster.nnodes=2", "cluster.nproc_per_node=2",
+                                      "trainer.global_batch_size=512", *overrides])
+    plan = build_plan(cfg, "/tmp/run", "rid", devices=devices)
+    assert [n.env.get("CUDA_VISIBLE_DEVICES") for n in plan.nodes] == expected
+
+
+def test_cpu_nodes_and_the_default_device_list_from_the_environment(monkeypatch):
+    from orchestrator.plan.plan import build_plan, visible_devices
+
+    assert visible_devices({}) is None and visible_devices({"CUDA_VISIBLE_DEVICES": "3, 1"}) == ["3", "1"]
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": ""}) == []
+    cpu = compose_config("cpu_gloo", ["launcher=local"])
+    assert all("CUDA_VISIBLE_DEVICES" not in n.env for n in build_plan(cpu, "/tmp/run", "rid", devices=["0"]).nodes)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,7,8,9")
+    cfg = compose_config("bert8gpu", ["launcher=local", "cluster.nnodes=2", "cluster.nproc_per_node=2",
+                                      "trainer.global_batch_size=512"])
+    assert [n.env["CUDA_VISIBLE_DEVICES"] for n in build_plan(cfg, "/tmp/run", "rid").nodes] == ["6,7", "8,9"]
+
+
+def test_the_driver_env_forwarded_to_agents_by_allow_and_deny_list(tmp_path):
+    from orchestrator.controller.agent_env import forwarded_env
+
+    environ = {"AWS_SECRET_ACCESS_KEY": "s", "HF_TOKEN": "t", "WANDB_API_KEY": "k", "MLFLOW_TRACKING_URI": "u",
+               "NCCL_DEBUG": "INFO", "GLOO_SOCKET_IFNAME": "eth0", "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+               "OMP_NUM_THREADS": "2", "HTTPS_PROXY": "p", "no_proxy": "n", "PYTHONPATH": "rel",
+               "CUDA_VISIBLE_DEVICES": "0", "HOME": "/home/me", "PATH": "/bin", "RAY_ADDRESS": "x", "RANK": "3",
+               "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5", "MY_PASSWORD": "pw"}
+    assert sorted(forwarded_env(environ)) == sorted(
+        ["AWS_SECRET_ACCESS_KEY", "HF_TOKEN", "WANDB_API_KEY", "MLFLOW_TRACKING_URI", "NCCL_DEBUG",
+         "GLOO_SOCKET_IFNAME", "TORCH_DISTRIBUTED_DEBUG", "OMP_NUM_THREADS", "HTTPS_PROXY", "no_proxy", "PYTHONPATH"])
+    # PYTHONPATH entries under the working directory also resolve in a remote node's copy of it.
+    cwd = str(tmp_path / "proj")
+    value = os.pathsep.join([f"{cwd}/src", "/opt/lib", cwd, "tests"])
+    assert forwarded_env({"PYTHONPATH": value}, cwd)["PYTHONPATH"] == os.pathsep.join([value, "src", "."])
+
+
+def test_forwarded_secrets_reach_the_agents_but_never_the_run_dir(tmp_path, monkeypatch):
+    from orchestrator.controller.api import AgentStarted, ClusterNode, ManualClock
+    from orchestrator.controller.controller import Controller
+    from orchestrator.plan.plan import build_plan
+    from orchestrator.rundir import EventLog
+
+    class RecordingPool:
+        def __init__(self):
+            self.started, self.pending = [], []
+
+        def nodes(self):
+            return [ClusterNode("n0", "10.0.0.1", 2)]
+
+        def start(self, spec, node_id):
+            self.started.append(spec)
+            self.pending.append(AgentStarted(spec.agent_id, spec.node, node_id, "10.0.0.1", 100 + spec.agent_id))
+
+        def poll(self, timeout_s):
+            out, self.pending = self.pending, []
+            return out
+
+        def stop(self, agent_id, grace_s, agent_only=False):
+            pass
+
+        def close(self):
+            pass
+
+    secret = "orch-test-secret-5f3a"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    cfg = compose_config("cpu_gloo", [f"run.dir={tmp_path}"])
+    plan = build_plan(cfg, str(tmp_path), "rid", store_port=29400)
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    events = EventLog(tmp_path, clock=ManualClock().time)
+    pool = RecordingPool()
+    controller = Controller(cfg, plan, pool, events, clock=ManualClock())
+    for _ in range(3):
+        controller._step()
+    assert len(pool.started) == 2
+    for spec in pool.started:
+        assert spec.env["AWS_SECRET_ACCESS_KEY"] == secret and "CUDA_VISIBLE_DEVICES" not in spec.env
+        assert spec.env["ORCH_NODE"] == str(spec.node)  # the plan's env on top
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path
+
+
+def test_joining_a_ray_cluster_ships_the_working_directory(tmp_path):
+    from launchers.ray import shipped_runtime_env
+
+    cwd = str(tmp_path)
+    assert shipped_runtime_env(compose_config("cpu_gloo"), cwd) is None  # embedded Ray: this machine
+    cfg = compose_config("cpu_gloo", ["cluster.address=10.0.0.1:6379", f"run.dir={tmp_path / 'out' / 'run1'}",
+                                      f"checkpoint.url={tmp_path / 'ckpt'}"])
+    env = shipped_runtime_env(cfg, cwd)
+    assert env["working_dir"] == cwd
+    assert {".git", ".venv", "/runs", "/out/run1", "/ckpt"} <= set(env["excludes"])
+    cfg = compose_config("cpu_gloo", ["cluster.address=auto", "run.dir=/elsewhere/run", "checkpoint.url=s3://b/p"])
+    assert "/elsewhere/run" not in shipped_runtime_env(cfg, cwd)["excludes"]

@@ -7,15 +7,18 @@ runs validation by converting to dataclasses with ``OmegaConf.to_object`` (so ``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.singleton import Singleton
 from hydra.errors import HydraException, MissingConfigException
+from hydra.version import VersionBase
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -62,16 +65,32 @@ def compose_dictconfig(preset: str, overrides: Sequence[str] = ()) -> DictConfig
     """Run Hydra's compose for ``preset`` with ``overrides``; raise ConfigError on anything Hydra rejects."""
     if preset not in list_presets():
         raise ConfigError("conf", preset, f"use one of {', '.join(list_presets())}", "is not a known preset")
-    GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        with own_hydra(), initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             return compose(config_name=preset, overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as exc:
         raise _translate(exc, overrides) from None
     except AssertionError as exc:  # OmegaConf asserts when an override reaches under a null node
         raise _under_null(overrides) or exc from None
+
+
+@contextlib.contextmanager
+def own_hydra() -> Iterator[None]:
+    """Compose in a Hydra of orch's own and hand the caller's back untouched.
+
+    A caller may be inside its own ``@hydra.main`` app or ``initialize()`` context (``orchestrator.launch``
+    from a Hydra app): its ``GlobalHydra`` and version base are process-wide singletons. They are taken out
+    (not cleared: clearing would empty the caller's instance) and put back afterwards, whatever happens.
+    """
+    saved = {cls: Singleton._instances.pop(cls, None) for cls in (GlobalHydra, VersionBase)}
+    try:
+        yield
     finally:
-        GlobalHydra.instance().clear()
+        for cls, instance in saved.items():
+            if instance is None:
+                Singleton._instances.pop(cls, None)
+            else:
+                Singleton._instances[cls] = instance
 
 
 def compose_config(preset: str, overrides: Sequence[str] = ()) -> OrchConfig:

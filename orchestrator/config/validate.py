@@ -19,7 +19,8 @@ def validate_config(cfg: OrchConfig) -> None:
     if cfg.backend.name == "nccl" and cfg.cluster.device != "cuda":
         raise ConfigError("backend.name", "nccl", "use backend=gloo for cluster.device=cpu, or cluster.device=cuda",
                           f"needs CUDA devices but cluster.device is {cfg.cluster.device!r}")
-    _check_batch_divides(cfg)
+    if cfg.entrypoint.builtin:  # only the built-in trainer reads trainer.*; a user script has its own batches
+        _check_batch_divides(cfg)
     for key, supplied in RUNTIME_ARGS.items():
         node = cfg.data.dataset if key == "data.dataset" else getattr(cfg, key)
         check_instantiable(key, node, supplied)

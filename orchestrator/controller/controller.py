@@ -28,7 +28,7 @@ from orchestrator.controller.states import (RECOVERING, RUNNING, SCHEDULING, Sta
 from orchestrator.plan.plan import LaunchPlan
 from orchestrator.rundir import LOGS_DIR, NODES_FILE, EventLog, EventName, write_json_atomic
 
-FORWARDED_ENV = ("PYTHONPATH",)  # the entrypoint must import on every node as it does here
+from orchestrator.controller.agent_env import forwarded_env  # the driver's variables node agents get
 POLL_S = 0.2
 SCALE_INTERVAL_S = 1.0
 STOP_GRACE_S = 10.0
@@ -292,7 +292,7 @@ class Controller:
             index = free[0]
         plan = self.plan.nodes[index]
         argv = tuple(f"--rdzv-id={self.rdzv_id}" if a.startswith("--rdzv-id=") else a for a in plan.argv)
-        env = {**{k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}, **plan.env}
+        env = {**forwarded_env(os.environ, os.getcwd()), **plan.env}
         log_path = self.run_dir / LOGS_DIR / f"node{index}.log"
         agent = Agent(self._next_id, index, node_id, self.clock.time(), self.clock.monotonic(),
                       log_offset=log_path.stat().st_size if log_path.exists() else 0, standby=standby_for is not None)

@@ -7,10 +7,11 @@ and the environment added to it, the rendezvous endpoint, and the settings that 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from orchestrator.config.schema import OrchConfig
 from orchestrator.preemption.notices import SIGTERM_NOTICE_ENV, SIGTERM_NOTICE_FILE
@@ -19,6 +20,7 @@ from orchestrator.rundir import CONFIG_FILE, PLAN_FILE  # noqa: F401 (re-exporte
 from orchestrator.testcluster.state import ClusterState, NodeHost, enter_argv
 
 PORT_PLACEHOLDER = "<port chosen at launch>"
+FROM_ENVIRON: Any = object()  # build_plan's default devices: those this process's CUDA_VISIBLE_DEVICES lists
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,36 @@ def torchrun_argv(cfg: OrchConfig, node: int, run_id: str, endpoint: str, run_di
     )
 
 
-def node_env(cfg: OrchConfig, node: int, run_dir: str, run_id: str) -> dict[str, str]:
+def visible_devices(environ: Mapping[str, str]) -> Optional[list[str]]:
+    """The GPUs this machine's processes may use, as ``CUDA_VISIBLE_DEVICES`` names them (indexes or UUIDs);
+    None when it is unset: every device, by index 0, 1, ..."""
+    value = environ.get("CUDA_VISIBLE_DEVICES")
+    return None if value is None else [d.strip() for d in value.split(",") if d.strip()]
+
+
+def node_gpus(cfg: OrchConfig, node: int, devices: Optional[Sequence[str]]) -> Optional[str]:
+    """The ``CUDA_VISIBLE_DEVICES`` of simulated node ``node``, or None to leave it alone.
+
+    Simulated CUDA nodes on one machine (``launcher=local``) each get their own GPUs, node i the i-th
+    ``nproc_per_node`` of ``devices`` (the visible ones; None: indexes 0, 1, ...), so their ranks' ``LOCAL_RANK``
+    never picks a GPU another node uses. Not for a pod (``cluster.node_index``: one node, the pod's GPUs) or
+    Ray (it sets ``CUDA_VISIBLE_DEVICES`` per actor). A node past the end of ``devices`` gets none here: the
+    resource check refuses that launch before it starts (a dry run just shows it).
+    """
+    c = cfg.cluster
+    if c.device != "cuda" or cfg.launcher != "local" or c.node_index is not None:
+        return None
+    first = node * c.nproc_per_node
+    if devices is None:
+        return ",".join(str(d) for d in range(first, first + c.nproc_per_node))
+    mine = list(devices[first:first + c.nproc_per_node])
+    return ",".join(mine) if len(mine) == c.nproc_per_node else None
+
+
+def node_env(cfg: OrchConfig, node: int, run_dir: str, run_id: str,
+             devices: Optional[Sequence[str]] = None) -> dict[str, str]:
+    """orch's environment for node ``node``'s torchrun agent (added to the agent's own). ``devices``: the
+    visible GPUs (see :func:`visible_devices`), which simulated CUDA nodes split between them."""
     env = {"ORCH_RUN_DIR": run_dir, "ORCH_RUN_ID": run_id, "ORCH_NODE": str(node), "PYTHONUNBUFFERED": "1",
            # How long torchrun lets workers finish after forwarding SIGTERM: the emergency checkpoint's window.
            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(max(1, int(cfg.preemption.grace_period_s))),
@@ -136,6 +167,9 @@ def node_env(cfg: OrchConfig, node: int, run_dir: str, run_id: str) -> dict[str,
     if cfg.cluster.device == "cpu":
         # One intra-op thread per worker: simulated nodes share this machine's cores.
         env["OMP_NUM_THREADS"] = "1"
+    gpus = node_gpus(cfg, node, devices)
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
     return env
 
 
@@ -145,16 +179,23 @@ def testcluster_env(host: NodeHost) -> dict[str, str]:
 
 
 def build_plan(cfg: OrchConfig, run_dir: str, run_id: str, store_port: Optional[int] = None,
-               python: str = sys.executable, testcluster: Optional[ClusterState] = None) -> LaunchPlan:
+               python: str = sys.executable, testcluster: Optional[ClusterState] = None,
+               devices: Optional[Sequence[str]] = FROM_ENVIRON) -> LaunchPlan:
     """The plan for ``cfg``. ``store_port`` is known once the launcher hosts the store; a dry run has none.
     ``testcluster`` (the saved state of ``cluster.testcluster``, read by the caller) puts node i on its host i,
-    with the store on the cluster's bridge address."""
+    with the store on the cluster's bridge address. ``devices``: the GPUs simulated CUDA nodes split (see
+    :func:`node_gpus`); by default this process's ``CUDA_VISIBLE_DEVICES`` (unset: every device by index).
+    The plan's env is orch's own per node; the driver's forwarded variables are added when an agent starts
+    (orchestrator/controller/agent_env.py), so no secret reaches ``plan.json``."""
+    if devices is FROM_ENVIRON:
+        devices = visible_devices(os.environ)
     port = store_port or cfg.rendezvous.port or PORT_PLACEHOLDER
     endpoint = f"{testcluster.bridge_address if testcluster else cfg.rendezvous.host}:{port}"
     hosts = testcluster.nodes if testcluster else [None] * cfg.cluster.max_nodes
     nodes = tuple(NodePlan(node=i, argv=torchrun_argv(cfg, i, run_id, endpoint, run_dir, python,
                                                       local_addr=host.hostname if host else None),
-                           env={**node_env(cfg, i, run_dir, run_id), **(testcluster_env(host) if host else {})},
+                           env={**node_env(cfg, i, run_dir, run_id, devices),
+                                **(testcluster_env(host) if host else {})},
                            netns=host.netns if host else None, hostname=host.hostname if host else None,
                            address=host.address if host else None)
                   for i, host in zip(range(cfg.cluster.max_nodes), hosts))
