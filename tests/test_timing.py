@@ -3,6 +3,7 @@ StartupTimes: the start-up milestones a worker reports as ``worker_started``."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -150,3 +151,32 @@ def test_the_trainer_reports_its_start_up_before_the_first_step(tmp_path, monkey
     times = [started[f"{m}_t"] for m in STARTUP_MILESTONES]
     assert times == sorted(times), started
     assert started["world_size"] == 1 and started["step"] == 0
+
+
+@pytest.mark.slow  # inductor builds C++ kernels on a cold cache: tens of seconds
+@pytest.mark.timeout(300)
+def test_trainer_compile_compiles_the_ddp_wrapped_model_and_trains(tmp_path, monkeypatch):
+    """trainer.compile: torch.compile around DDP (not DDP around a compiled model), and it trains on CPU."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from orchestrator.config.compose import compose_config
+    from orchestrator.elastic import Session
+    from orchestrator.rundir import read_jsonl
+    from orchestrator.runtime.distributed import DistContext
+    from orchestrator.runtime.trainer import Trainer
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    cfg = compose_config("cpu_gloo", ["trainer.max_steps=3", "trainer.log_every=1", "preemption.sources=[]",
+                                      "trainer.compile=true", f"run.dir={tmp_path}", "model.hidden_size=32",
+                                      "model.num_layers=1"])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        trainer = Trainer(Session(cfg, DistContext(0, 1, 0, 1, 0, 0), str(tmp_path)))
+        assert isinstance(trainer.model, torch._dynamo.eval_frame.OptimizedModule)
+        assert isinstance(trainer.model._orig_mod, DDP) and trainer.model._orig_mod.module is trainer.raw_model
+        trainer.fit()
+    finally:
+        dist.destroy_process_group()
+    losses = [m["loss"] for m in read_jsonl(tmp_path / "metrics.jsonl")]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)

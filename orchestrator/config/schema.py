@@ -255,7 +255,8 @@ class TrainerConfig:
     log_every: int = 1
     """Write a metrics.jsonl line every N steps."""
     compile: bool = False
-    """Wrap the model in ``torch.compile``."""
+    """Compile the DDP-wrapped model with ``torch.compile`` (DDP first, as torch documents: graphs split at
+    DDP's bucket boundaries so communication overlaps the backward pass)."""
     compile_mode: Optional[str] = None
     """``torch.compile`` mode (``default``, ``reduce-overhead``, ``max-autotune``)."""
     detect_anomaly: bool = False

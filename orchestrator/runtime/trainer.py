@@ -73,8 +73,9 @@ class Trainer:
                          scaler=self.precision.scaler)
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        if self.cfg.trainer.compile:
-            model = torch.compile(model, mode=self.cfg.trainer.compile_mode)
+        """DDP around the model, then ``torch.compile`` around DDP (``trainer.compile``), as torch documents for
+        DDP: compiling the DDP module lets its DDPOptimizer split the graph at bucket boundaries, so gradient
+        all-reduces overlap the backward pass; compiling inside DDP would make the whole backward one graph."""
         d = self.cfg.ddp
         # Newer torch renamed broadcast_buffers (per-forward buffer sync) to forward_sync_buffers.
         buffers_flag = "forward_sync_buffers" if "forward_sync_buffers" in DDP_PARAMS else "broadcast_buffers"
@@ -88,6 +89,8 @@ class Trainer:
             **{buffers_flag: d.broadcast_buffers},
         )
         self.timer.register(ddp)
+        if self.cfg.trainer.compile:
+            return torch.compile(ddp, mode=self.cfg.trainer.compile_mode)
         return ddp
 
     def _loader(self) -> tuple[GlobalBatchSampler, DataLoader]:
