@@ -75,9 +75,9 @@ def run_config(directory: Optional[str] = None) -> Optional[OrchConfig]:
 
 
 def checkpoint_dir(cfg: Optional[OrchConfig] = None, directory: Optional[str] = None) -> Optional[str]:
-    """Where HF checkpoints of this run go: ``<checkpoint.url>/hf``, else ``<run dir>/checkpoints/hf``; None
-    outside orch. HF writes to a filesystem only: a remote ``checkpoint.url`` (``s3://``...) is refused."""
-    directory = directory or orch_run_dir()
+    """Where HF checkpoints of this run go: ``<checkpoint.url>/hf``, else ``<run dir>/checkpoints/hf`` (the run dir:
+    ``directory``, else ``$ORCH_RUN_DIR``, else ``run.dir``); None outside orch. HF writes to a filesystem only: a remote ``checkpoint.url`` (``s3://``...) is refused."""
+    directory = directory or orch_run_dir() or (cfg.run.dir if cfg is not None else None)
     url = cfg.checkpoint.url if cfg is not None else None
     if url:
         if "://" in url and not url.startswith("file://"):
@@ -108,7 +108,8 @@ def orch_training_args(cfg: Optional[OrchConfig] = None, **kwargs: Any) -> Train
     (``checkpoint.keep_last``), ``logging_steps`` (``trainer.log_every``), ``seed`` (``trainer.seed``),
     ``per_device_train_batch_size`` (``trainer.micro_batch_size``) and ``gradient_accumulation_steps`` (so the
     global batch is ``trainer.global_batch_size`` at this world size, when it divides), ``use_cpu`` and
-    ``ddp_backend`` (``cluster.device``, ``backend.name``), ``report_to="none"``. Outside orch only
+    ``ddp_backend`` (``cluster.device``, ``backend.name``), ``disable_tqdm`` (orch prints a progress line per
+    record), ``report_to="none"``. Outside orch only
     ``report_to`` is filled in (pass ``output_dir``)."""
     cfg = cfg if cfg is not None else run_config()
     filled: dict[str, Any] = {"report_to": "none"}
@@ -118,12 +119,25 @@ def orch_training_args(cfg: Optional[OrchConfig] = None, **kwargs: Any) -> Train
         every = ckpt.every_n_steps if ckpt.every_n_steps > 0 else t.max_steps
         filled.update(output_dir=checkpoint_dir(cfg), max_steps=t.max_steps, save_strategy="steps", save_steps=every,
                       logging_steps=t.log_every, seed=t.seed, per_device_train_batch_size=t.micro_batch_size,
-                      use_cpu=cfg.cluster.device == "cpu", ddp_backend=cfg.backend.name)
+                      use_cpu=cfg.cluster.device == "cpu", disable_tqdm=True,
+                      dataloader_pin_memory=cfg.cluster.device != "cpu")
+        if world > 1:  # accelerate would set up a process group for a named backend even in a world of one
+            filled["ddp_backend"] = cfg.backend.name
         if ckpt.keep_last and ckpt.keep_last >= 2:  # 1 could delete the only complete checkpoint during a save
             filled["save_total_limit"] = ckpt.keep_last
-        if t.global_batch_size and t.global_batch_size % (t.micro_batch_size * world) == 0:
-            filled["gradient_accumulation_steps"] = t.global_batch_size // (t.micro_batch_size * world)
+        accumulation = accumulation_steps(cfg, world)
+        if accumulation is not None:
+            filled["gradient_accumulation_steps"] = accumulation
     return TrainingArguments(**{**filled, **kwargs})
+
+
+def accumulation_steps(cfg: OrchConfig, world_size: int) -> Optional[int]:
+    """Micro-batches per optimizer step that keep ``trainer.global_batch_size`` at ``world_size`` ranks of
+    ``trainer.micro_batch_size``; None when it does not divide (HF's default of 1 then)."""
+    t = cfg.trainer
+    if t.global_batch_size and t.global_batch_size % (t.micro_batch_size * world_size) == 0:
+        return t.global_batch_size // (t.micro_batch_size * world_size)
+    return None
 
 
 # -- the callback ------------------------------------------------------------------------------------------------
@@ -156,7 +170,7 @@ class OrchCallback(TrainerCallback):
         self.run_dir = run_dir if run_dir is not None else orch_run_dir()
         self.cfg = cfg if cfg is not None else run_config(self.run_dir)
         self.ctx = DistContext.from_env()
-        self.events = EventLog(self.run_dir) if self.run_dir is not None and self.ctx.is_main else None
+        self.events = EventLog(self.run_dir) if self.run_dir is not None else None  # most events: rank 0's only
         self.startup = StartupTimes()
         self.startup.mark("imports")
         self.exit_on_preemption = exit_on_preemption
@@ -174,8 +188,14 @@ class OrchCallback(TrainerCallback):
         self._finished = False
 
     def _emit(self, event: str, **fields: Any) -> None:
+        """Any rank's event (the preemption agreement records the noticed node's ``preemption_notice``)."""
         if self.events is not None:
             self.events.emit(event, **fields)
+
+    def _emit0(self, event: str, **fields: Any) -> None:
+        """Rank 0's event."""
+        if self.ctx.is_main:
+            self._emit(event, **fields)
 
     # -- start ----------------------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
@@ -222,7 +242,7 @@ class OrchCallback(TrainerCallback):
         self._window = (start, steps + 1)
         self._attempt_steps += 1
         if self._attempt_steps == 1:
-            self._emit(EventName.FIRST_STEP, step=state.global_step, world_size=self.ctx.world_size,
+            self._emit0(EventName.FIRST_STEP, step=state.global_step, world_size=self.ctx.world_size,
                        restart_count=self.ctx.restart_count)
         if self.preemption is not None:
             try:

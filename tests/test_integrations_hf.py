@@ -1,0 +1,222 @@
+"""orchestrator.integrations.hf: the Trainer callback's decisions in-process (real TrainerState/TrainerControl, no
+Trainer, no processes), and one real launch of examples/hf_trainer.py preempted mid-run."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from transformers import TrainerControl, TrainerState, TrainingArguments  # noqa: E402
+
+import orchestrator.elastic as elastic  # noqa: E402
+from orchestrator.integrations import hf  # noqa: E402
+from orchestrator.preemption.notices import Notice  # noqa: E402
+from orchestrator.rundir import EVENTS_FILE, METRICS_FILE, read_jsonl  # noqa: E402
+from orchproc import REPO, run_orch, start_orch, stop_tree, summary, wait_for  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def outside_torchrun(monkeypatch):
+    """A plain process (no torchrun or orch variables); the SIGTERM handler the watcher installs is put back."""
+    for var in ("ORCH_RUN_DIR", "ORCH_NODE", "ORCH_SIGTERM_NOTICE", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    handler = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, handler)
+
+
+def run_config(run_dir: Path, *overrides: str):
+    from orchestrator.config.compose import compose_config
+    from orchestrator.launch import write_config
+
+    cfg = compose_config("cpu_elastic", ["trainer.max_steps=40", "checkpoint.every_n_steps=10", "trainer.log_every=2",
+                                         "preemption.sources=[sigterm,chaos]", f"run.dir={run_dir}", *overrides])
+    write_config(cfg, str(run_dir))
+    return cfg
+
+
+def started(run_dir: Path, monkeypatch, global_step: int = 0):
+    """A callback of an orch run in ``run_dir`` after ``on_train_begin``, with HF's state and control."""
+    run_config(run_dir)
+    monkeypatch.setenv("ORCH_RUN_DIR", str(run_dir))
+    args = hf.orch_training_args()
+    callback = hf.OrchCallback()
+    state, control = TrainerState(), TrainerControl()
+    state.global_step, state.max_steps = global_step, args.max_steps
+    callback.on_train_begin(args, state, control)
+    return callback, args, state, control
+
+
+def step(callback, args, state, control, loss: float | None = None) -> TrainerControl:
+    """One optimizer step as the Trainer drives its callbacks (DefaultFlowCallback's save decision included)."""
+    control.should_save = control.should_log = False
+    callback.on_step_begin(args, state, control)
+    state.global_step += 1
+    if state.global_step % args.save_steps == 0:
+        control.should_save = True
+    callback.on_step_end(args, state, control)
+    if loss is not None:
+        callback.on_log(args, state, control, logs={"loss": loss, "learning_rate": 1e-3})
+    return control
+
+
+def hf_save(args, state) -> Path:
+    """What HF's _save_checkpoint leaves behind (the files the marker vouches for)."""
+    folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": state.global_step}))
+    return folder
+
+
+def events(run_dir: Path) -> list[dict]:
+    return read_jsonl(run_dir / EVENTS_FILE)
+
+
+def test_import_orchestrator_does_not_import_transformers():
+    code = ("import sys, orchestrator, orchestrator.elastic, orchestrator.integrations; "
+            "assert 'transformers' not in sys.modules, 'transformers imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=120)
+
+
+def test_training_args_come_from_the_run_config_unless_given(tmp_path, monkeypatch):
+    cfg = run_config(tmp_path, "checkpoint.keep_last=3")
+    args = hf.orch_training_args(cfg, learning_rate=5e-4, logging_steps=7)
+    assert args.output_dir == str(tmp_path / "checkpoints" / "hf")
+    assert (args.max_steps, args.save_steps, args.save_total_limit) == (40, 10, 3)
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 6), "global batch 24 at world 1"
+    assert (args.learning_rate, args.logging_steps, args.use_cpu) == (5e-4, 7, True), "kwargs win"
+    assert [hf.accumulation_steps(cfg, world) for world in (2, 3, 5)] == [3, 2, None], "global batch 24 kept"
+    remote = run_config(tmp_path, "checkpoint.url=s3://bucket/ckpt")
+    with pytest.raises(ValueError, match="filesystem path only"):
+        hf.orch_training_args(remote)
+    assert hf.orch_training_args(None, output_dir=str(tmp_path / "o")).max_steps == -1, "outside orch: HF's defaults"
+
+
+def test_only_complete_checkpoints_are_resumed_from(tmp_path):
+    assert hf.latest_checkpoint(str(tmp_path / "missing")) is None
+    for n in (5, 10, 15):
+        (tmp_path / f"checkpoint-{n}").mkdir()
+    (tmp_path / "checkpoint-5" / hf.COMPLETE_MARKER).write_text("{}")
+    (tmp_path / "checkpoint-10" / hf.COMPLETE_MARKER).write_text("{}")
+    assert hf.latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-10"), "15 was cut short: not complete"
+
+
+@pytest.mark.timeout(60)
+def test_a_periodic_save_is_unmarked_while_written_and_marked_after(tmp_path, monkeypatch):
+    callback, args, state, control = started(tmp_path, monkeypatch, global_step=9)
+    stale = hf_save(args, TrainerState(global_step=10))
+    (stale / hf.COMPLETE_MARKER).write_text("{}")  # from an earlier attempt that got further
+    control = step(callback, args, state, control)
+    assert control.should_save and not control.should_training_stop
+    assert not (stale / hf.COMPLETE_MARKER).exists(), "being written again: not complete until marked"
+    hf_save(args, state)
+    callback.on_save(args, state, control)
+    assert hf.latest_checkpoint(args.output_dir) == str(stale)
+    assert json.loads((stale / hf.COMPLETE_MARKER).read_text())["reason"] == "periodic"
+    saved = [e for e in events(tmp_path) if e["event"] == "checkpoint_saved"]
+    assert [(e["step"], e["reason"]) for e in saved] == [(10, "periodic")]
+    loaded = [e for e in events(tmp_path) if e["event"] == "checkpoint_loaded"]
+    assert [e["step"] for e in loaded] == [9], "resumed at step 9"
+
+
+@pytest.mark.timeout(60)
+def test_a_notice_saves_this_step_marks_it_and_leaves_with_75(tmp_path, monkeypatch):
+    callback, args, state, control = started(tmp_path, monkeypatch)
+    step(callback, args, state, control)
+    callback.preemption.watcher.notice = Notice("chaos", "test notice")
+    control = step(callback, args, state, control)
+    assert control.should_save and control.should_training_stop, "HF saves step 2 now, then stops"
+    folder = hf_save(args, state)
+    with pytest.raises(elastic.PreemptedExit) as exit_:
+        callback.on_save(args, state, control)
+    assert exit_.value.code == elastic.PREEMPTED_EXIT_CODE == 75 and exit_.value.step == 2
+    assert json.loads((folder / hf.COMPLETE_MARKER).read_text())["reason"] == "preemption", "marked before leaving"
+    seen = events(tmp_path)
+    notice = next(e for e in seen if e["event"] == "preemption_notice")
+    assert (notice["source"], notice["step"]) == ("chaos", 2)
+    assert [e["step"] for e in seen if e["event"] == "emergency_checkpoint"] == [2]
+
+
+@pytest.mark.timeout(60)
+def test_a_torchrun_restart_leaves_at_the_boundary_without_saving(tmp_path, monkeypatch):
+    callback, args, state, control = started(tmp_path, monkeypatch, global_step=9)
+
+    class Left(Exception):
+        pass
+
+    def leave(wait_s):
+        raise Left(wait_s)
+
+    callback.preemption.watcher.restart_requested = True  # a SIGTERM that is no notice
+    monkeypatch.setattr(callback.preemption.watcher, "leave_for_restart", leave)
+    with pytest.raises(Left):
+        step(callback, args, state, control)  # step 10 would be a periodic save: the worker leaves before it
+    assert callback.leaving is None and not (Path(args.output_dir) / "checkpoint-10").exists()
+    assert not [e for e in events(tmp_path) if e["event"] in ("checkpoint_saved", "emergency_checkpoint")]
+
+
+@pytest.mark.timeout(60)
+def test_metrics_records_and_goodput_events(tmp_path, monkeypatch):
+    callback, args, state, control = started(tmp_path, monkeypatch)
+    for i in range(4):
+        control = step(callback, args, state, control, loss=2.0 - i if state.global_step % 2 == 1 else None)
+    model = __import__("torch").nn.Linear(2, 1)
+    callback.on_train_end(args, state, control, model=model)
+    metrics = read_jsonl(tmp_path / METRICS_FILE)
+    assert [m["step"] for m in metrics] == [2, 4] and [m["loss"] for m in metrics] == [1.0, -1.0]
+    for m in metrics:
+        assert {"t", "step", "loss", "lr", "world_size", "samples_per_s", "step_time_s", "last_step_time_s",
+                "restart_count"} <= set(m)
+        assert m["world_size"] == 1 and m["lr"] == 1e-3 and m["samples_per_s"] > 0
+    names = [e["event"] for e in events(tmp_path)]
+    assert names.index("rendezvous_complete") < names.index("worker_started") < names.index("first_step")
+    finished = next(e for e in events(tmp_path) if e["event"] == "training_finished")
+    assert finished["steps_completed"] == 4 and finished["final_loss"] == -1.0 and len(finished["params_sha256"]) == 64
+
+
+# -- the example under orch -------------------------------------------------------------------------------------
+
+HF_STEPS = 200
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_hf_example_survives_a_preemption_with_every_step_once(tmp_path):
+    """examples/hf_trainer.py on two simulated nodes, `orch chaos preempt` of node 1 mid-run: an emergency HF
+    checkpoint, a resume from it, and HF's global_step ends at max_steps with no step trained twice."""
+    run_dir = tmp_path / "run"
+    log = tmp_path / "orch.log"
+    proc = start_orch("launch", "conf=cpu_elastic", "launcher=local", "cluster.nnodes=2",
+                      "entrypoint.script=examples/hf_trainer.py", f"trainer.max_steps={HF_STEPS}",
+                      "trainer.log_every=1", "checkpoint.every_n_steps=50", f"run.dir={run_dir}", log=log)
+    try:
+        def training() -> bool:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            return any(m["step"] >= 15 for m in read_jsonl(run_dir / METRICS_FILE))
+
+        wait_for(training, 150, "training")
+        preempted = run_orch("chaos", "preempt", str(run_dir), "--node", "1", timeout=60)
+        assert preempted.returncode == 0, preempted.stderr
+        assert proc.wait(timeout=150) == 0, log.read_text()[-3000:]
+    finally:
+        stop_tree(proc.pid)
+    s = summary(run_dir)
+    assert s["status"] == "succeeded" and s["steps_completed"] == HF_STEPS
+    assert s["goodput"] and s["goodput"]["lost_steps"] == 0, s["goodput"]
+    seen = read_jsonl(run_dir / EVENTS_FILE)
+    emergency = [e["step"] for e in seen if e["event"] == "emergency_checkpoint"]
+    assert len(emergency) == 1 and emergency[0] < HF_STEPS, "the notice came mid-run"
+    assert [e["step"] for e in seen if e["event"] == "checkpoint_loaded"] == emergency, "resumed from it"
+    final = hf.latest_checkpoint(str(run_dir / "checkpoints" / "hf"))
+    assert final is not None and final.endswith(f"checkpoint-{HF_STEPS}")
+    assert json.loads((Path(final) / "trainer_state.json").read_text())["global_step"] == HF_STEPS
+    steps = [m["step"] for m in read_jsonl(run_dir / METRICS_FILE)]
+    assert sorted(steps) == list(range(1, HF_STEPS + 1)), "every step trained exactly once"
