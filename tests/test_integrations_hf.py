@@ -220,3 +220,71 @@ def test_the_hf_example_survives_a_preemption_with_every_step_once(tmp_path):
     assert json.loads((Path(final) / "trainer_state.json").read_text())["global_step"] == HF_STEPS
     steps = [m["step"] for m in read_jsonl(run_dir / METRICS_FILE)]
     assert sorted(steps) == list(range(1, HF_STEPS + 1)), "every step trained exactly once"
+
+
+ACCELERATE_SCRIPT = '''
+import sys, time
+import torch
+import orchestrator.elastic as elastic
+from accelerate import Accelerator
+
+run_dir, max_steps, pause = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+accelerator = Accelerator(cpu=True)
+torch.manual_seed(0)
+net = torch.nn.Linear(8, 1)
+optim = torch.optim.SGD(net.parameters(), lr=0.1)
+model, optim = accelerator.prepare(net, optim)
+with elastic.init(run_dir=run_dir, max_steps=max_steps, every_n_steps=2, checkpoint_url=f"{run_dir}/ckpt") as session:
+    session.register(model=accelerator.unwrap_model(model), optim=optim)
+    print("restored", session.restore(), flush=True)
+    for step in session.steps():
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        accelerator.backward(loss)
+        optim.step(); optim.zero_grad()
+        session.step_done(loss=loss)
+        print("step", step, flush=True)
+        time.sleep(pause)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_an_accelerate_loop_with_the_documented_session_saves_on_sigterm_and_resumes(tmp_path):
+    """docs/integrations.md's accelerate snippet, for real (one process): SIGTERM -> emergency checkpoint of the
+    step in hand -> exit 75; the next run restores that step and trains only what is missing."""
+    import signal
+    import subprocess
+    import sys
+
+    pytest.importorskip("accelerate")
+    from orchestrator.processes import kill_tree
+
+    script, run_dir = tmp_path / "acc_train.py", tmp_path / "run"
+    script.write_text(ACCELERATE_SCRIPT)
+
+    def run(max_steps: int, pause: float) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(script), str(run_dir), str(max_steps), str(pause)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    first = run(4, 0.0)
+    out = first.communicate(timeout=120)[0]
+    assert first.returncode == 0 and "restored 0" in out and "step 4" in out, out
+    second = run(8, 0.5)
+    try:
+        lines = []
+        for line in second.stdout:
+            lines.append(line)
+            if line.startswith("step 5"):
+                second.send_signal(signal.SIGTERM)
+                break
+        rest = second.communicate(timeout=60)[0]
+    finally:
+        kill_tree(second.pid)
+    assert second.returncode == 75, "".join(lines) + rest
+    saved = sorted(p.name for p in (run_dir / "ckpt").iterdir())
+    assert "step_000000005" in saved or "step_000000006" in saved, saved
+    third = run(8, 0.0)
+    out = third.communicate(timeout=120)[0]
+    resumed = int(next(line.split()[1] for line in out.splitlines() if line.startswith("restored")))
+    assert third.returncode == 0 and resumed in (5, 6), out
+    assert f"step {resumed + 1}" in out and f"step {resumed}\n" not in out, "only the missing steps are trained"

@@ -56,6 +56,8 @@ class Session:
                  log_every: Optional[int] = None, seed: Optional[int] = None, device: Optional[str] = None,
                  step_timer: bool = False, startup: Optional[StartupTimes] = None):
         self.cfg, self.ctx, self.run_dir = cfg, ctx or DistContext.from_env(), run_dir
+        if run_dir is not None:
+            os.makedirs(run_dir, exist_ok=True)  # a script may name a run dir of its own (no orch launch made it)
         self.events = EventLog(run_dir) if run_dir is not None else None
         trainer = cfg.trainer if cfg is not None else TrainerConfig()
         ckpt = cfg.checkpoint if cfg is not None else CheckpointConfig()
