@@ -56,7 +56,7 @@ def preflight_checkpoints(cfg: OrchConfig) -> None:
     The default URL lives inside the run dir, which does not exist yet: probing it would create the run dir,
     so only an explicit URL is probed; the run dir itself is created right after.
     """
-    if cfg.checkpoint.url:
+    if cfg.checkpoint.url is not None:  # an empty URL is refused, not taken for the default
         from orchestrator.checkpoint import preflight_storage
 
         preflight_storage(cfg.checkpoint.url)

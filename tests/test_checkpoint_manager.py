@@ -141,7 +141,7 @@ real_write = storage.CheckpointStorage.write_bytes
 
 def write_bytes(self, relpath, data):
     # Hold the process between the last payload and the manifest so the test can SIGKILL it there.
-    if relpath == "step_000000002/manifest.json":
+    if relpath.startswith(".step_2.tmp-") and "/manifest.json" in relpath:
         print("PAYLOADS_WRITTEN", flush=True)
         time.sleep(120)
     return real_write(self, relpath, data)
@@ -167,23 +167,26 @@ def test_writer_killed_before_manifest_leaves_previous_checkpoint_loadable(tmp_p
             proc.wait(timeout=30)
         proc.stdout.close()
     assert proc.returncode == -signal.SIGKILL
-    step2 = tmp_path / "ck" / step_dirname(2)
-    assert (step2 / "model.pt").exists() and not (step2 / "manifest.json").exists()
+    root = tmp_path / "ck"
+    # The dead writer left only its temporary directory: never listed, never loaded, no warning.
+    (tmp_dir,) = [p for p in root.iterdir() if p.name.startswith(".step_2.tmp-")]
+    assert (tmp_dir / "model.pt").exists() and not (tmp_dir / "manifest.json").exists()
+    assert not (root / step_dirname(2)).exists()
 
     events = Events()
-    mgr = CheckpointManager(url, on_event=events)
-    infos = mgr.list()
-    assert [(i.step, i.valid) for i in infos] == [(1, True), (2, False)]
-    assert "manifest" in infos[1].reason
+    mgr = CheckpointManager(url, async_save=False, on_event=events)
+    assert [(i.step, i.valid) for i in mgr.list()] == [(1, True)]
     assert mgr.latest_valid_step() == 1
-    with pytest.warns(RuntimeWarning, match="step_000000002.*manifest"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         loaded = mgr.load()
     assert loaded.step == 1 and torch.equal(loaded.state["model"]["w"], torch.full((8,), 1.0))
-    assert events.named("checkpoint_skipped") == [
-        {"step": 2, "reason": infos[1].reason, "url": infos[1].url}
-    ]
-    with pytest.raises(CheckpointError, match="manifest"):
+    assert events.named("checkpoint_skipped") == []
+    with pytest.raises(CheckpointError, match="no checkpoint at step 2"):
         mgr.load(2)
+    # Retention clears the leftover once a newer checkpoint is committed.
+    mgr.save(3, {"model": {"w": torch.full((8,), 3.0)}}, {})
+    assert sorted(p.name for p in root.iterdir()) == [step_dirname(1), step_dirname(3)]
 
 
 def test_corrupt_payload_is_detected_by_checksum_and_skipped(tmp_path):
@@ -425,3 +428,161 @@ def test_ckpt_bench_smoke(tmp_path):
     assert set(result) == {"sync_stall_s", "async_stall_s", "ratio", "state_mb"}
     assert 0.5 < result["state_mb"] < 2 and result["sync_stall_s"] > 0 and result["async_stall_s"] > 0
     assert out.read_text().startswith("{")
+
+
+# -- URL rules ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("url, problem", [
+    ("s3://", "has no bucket or path after 's3://'"),
+    ("gs://", "has no bucket or path after 'gs://'"),
+    ("memory://", "has no bucket or path after 'memory://'"),
+    ("file://", "has no path after 'file://'"),
+    ("file:///", "names the filesystem root"),
+    ("", "is empty"),
+    ("   ", "is empty"),
+    ("file:///ABS/ck/", None),  # maps to the absolute path (ABS is replaced by tmp_path)
+    ("memory-multi-rank", "is an in-process memory filesystem"),
+])
+def test_checkpoint_url_rules(tmp_path, monkeypatch, url, problem):
+    monkeypatch.chdir(tmp_path)  # anything written relative to the cwd would show up here
+    if url == "memory-multi-rank":
+        from orchestrator.config.compose import compose_config
+        from orchestrator.errors import ConfigError
+
+        with pytest.raises(ConfigError, match=rf"^checkpoint.url='memory://ck' {problem}.*Fix: ") as exc:
+            compose_config("cpu_gloo", ["checkpoint.url=memory://ck", "cluster.nnodes=2"])
+        assert exc.value.exit_code == 2
+        compose_config("cpu_gloo", ["checkpoint.url=memory://ck", "cluster.nnodes=1", "cluster.nproc_per_node=1"])
+        return
+    from orchestrator.checkpoint import preflight_storage
+
+    if problem is None:
+        target = tmp_path / "abs"
+        url = url.replace("/ABS", str(target))
+        preflight_storage(url)
+        mgr = CheckpointManager(url, async_save=False)
+        mgr.save(1, {"model": {"w": torch.ones(2)}}, {})
+        assert (target / "ck" / step_dirname(1) / "manifest.json").exists()
+        assert mgr.list()[0].url == f"file://{target}/ck/{step_dirname(1)}"
+        assert sorted(os.listdir(tmp_path)) == ["abs"]
+        return
+    with pytest.raises(CheckpointSetupError, match=rf"^checkpoint.url={url!r} {problem}\. Fix: \S") as exc:
+        preflight_storage(url)
+    assert exc.value.exit_code == 2 and "\n" not in str(exc.value)
+    with pytest.raises(CheckpointSetupError, match=rf"^checkpoint URL {url!r} {problem}"):
+        CheckpointManager(url).list()
+    assert os.listdir(tmp_path) == []  # no "s3:" or "file:" folder appeared in the cwd
+
+
+# -- commit protocol ----------------------------------------------------------------------------------------
+def _fail_after_first_payload(monkeypatch, error: Exception) -> None:
+    real = CheckpointManager._write_payload
+    calls = []
+
+    def write_payload(self, storage, relpath, data):
+        if calls:
+            raise error
+        calls.append(relpath)
+        real(self, storage, relpath, data)
+
+    monkeypatch.setattr(CheckpointManager, "_write_payload", write_payload)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_failed_resave_keeps_the_committed_step_and_leaves_no_partial_files(tmp_path, monkeypatch, async_save):
+    root = tmp_path / "ck"
+    events = Events()
+    mgr = CheckpointManager(str(root), async_save=async_save, on_event=events)
+    mgr.save(1, {"model": {"w": torch.zeros(8)}}, {"v": 1})
+    mgr.save(2, {"model": {"w": torch.full((8,), 2.0)}, "optim": {"lr": 0.1}}, {"v": 2})
+    mgr.wait()
+    before = sorted(os.listdir(root))
+
+    _fail_after_first_payload(monkeypatch, OSError(28, "No space left on device"))
+    with pytest.raises(CheckpointError, match="step 2.*No space left"):
+        mgr.save(2, {"model": {"w": torch.full((8,), 9.0)}, "optim": {"lr": 0.9}}, {"v": 3})
+        mgr.wait()
+    (failed,) = events.named("checkpoint_failed")
+    assert failed["step"] == 2 and "No space left" in failed["error"]
+    assert sorted(os.listdir(root)) == before  # no .step_2.tmp-* left behind
+    loaded = mgr.load(2)
+    assert loaded.metadata == {"v": 2} and torch.equal(loaded.state["model"]["w"], torch.full((8,), 2.0))
+    assert [(i.step, i.valid) for i in mgr.list()] == [(1, True), (2, True)]
+
+    monkeypatch.undo()
+    mgr.save(2, {"model": {"w": torch.full((8,), 9.0)}}, {"v": 3})  # a later re-save swaps it in
+    mgr.wait()
+    assert mgr.load(2).metadata == {"v": 3} and sorted(os.listdir(root)) == before
+
+
+def test_temporary_names_are_never_listed_or_loaded(tmp_path):
+    root = tmp_path / "ck"
+    mgr = CheckpointManager(str(root), async_save=False)
+    mgr.save(1, {"model": {"w": torch.zeros(4)}}, {})
+    # A complete-looking checkpoint under each temporary name: still never a checkpoint.
+    for name in (".step_5.tmp-0123abcd", ".step_6.old-4567ef00"):
+        (root / name).mkdir()
+        for f in os.listdir(root / step_dirname(1)):
+            (root / name / f).write_bytes((root / step_dirname(1) / f).read_bytes())
+    assert [i.step for i in mgr.list()] == [1]
+    assert "step_000000005" not in format_checkpoint_list(str(root))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert mgr.load().step == 1
+    with pytest.raises(CheckpointError, match="no checkpoint at step 5"):
+        mgr.load(5)
+
+
+def test_swap_interrupted_between_renames_is_restored(tmp_path):
+    """A writer killed after renaming the old step aside and before renaming the new one in leaves
+    ``.step_N.old-*``; the next save puts it back, so the step is never lost."""
+    root = tmp_path / "ck"
+    mgr = CheckpointManager(str(root), async_save=False)
+    mgr.save(3, {"model": {"w": torch.ones(4)}}, {"v": 3})
+    os.rename(root / step_dirname(3), root / ".step_3.old-deadbeef")
+    mgr.save(4, {"model": {"w": torch.zeros(4)}}, {"v": 4})
+    assert [(i.step, i.valid) for i in mgr.list()] == [(3, True), (4, True)]
+    assert mgr.load(3).metadata == {"v": 3}
+
+
+def test_save_refused_when_free_space_is_below_the_previous_checkpoint(tmp_path, monkeypatch):
+    from orchestrator.checkpoint.storage import CheckpointStorage
+
+    root = tmp_path / "ck"
+    events = Events()
+    mgr = CheckpointManager(str(root), async_save=False, on_event=events)
+    mgr.save(1, {"model": {"w": torch.zeros(64)}}, {})
+    monkeypatch.setattr(CheckpointStorage, "free_bytes", lambda self: 10)
+    with pytest.raises(CheckpointError, match=r"refused: not enough free space .* 10 bytes free.* Fix: "):
+        mgr.save(2, {"model": {"w": torch.ones(64)}}, {})
+    (failed,) = events.named("checkpoint_failed")
+    assert failed["step"] == 2 and "not enough free space" in failed["error"]
+    assert sorted(os.listdir(root)) == [step_dirname(1)] and mgr.load().step == 1
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a 2 MiB tmpfs here: {(proc.stderr or proc.stdout).strip()[:120]}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_resave_on_a_full_disk_keeps_the_previous_checkpoint(tiny_tmpfs):
+    """A real ENOSPC midway through a re-save of the same step (2 MiB tmpfs) leaves the committed one."""
+    url = str(tiny_tmpfs / "ck")
+    events = Events()
+    mgr = CheckpointManager(url, async_save=False, on_event=events)
+    mgr.save(1, {"model": {"w": torch.zeros(100_000)}}, {"v": 1})  # ~400 KB; ~1.6 MB stays free
+    with pytest.raises(CheckpointError, match="step 1"):  # ~2.4 MB: passes the size check, then fills the disk
+        mgr.save(1, {"model": {"w": torch.ones(300_000)}, "optim": {"m": torch.ones(300_000)}}, {"v": 2})
+    (failed,) = events.named("checkpoint_failed")
+    assert "No space left" in failed["error"] or "Errno 28" in failed["error"]
+    assert os.listdir(url) == [step_dirname(1)]
+    loaded = mgr.load(1)
+    assert loaded.metadata == {"v": 1} and torch.equal(loaded.state["model"]["w"], torch.zeros(100_000))

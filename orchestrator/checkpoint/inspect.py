@@ -86,6 +86,8 @@ def format_checkpoint_detail(url_or_step_url: str) -> str:
 def _split_step_url(url: str) -> tuple[str, int | None]:
     # String surgery, not pathlib: a URL such as s3://bucket/run must keep its double slash.
     trimmed = url.rstrip("/")
+    if "://" in url and "://" not in trimmed:
+        return url, None  # "s3://", "file:///": left whole so that open_storage refuses it, not "s3:" locally
     head, _, last = trimmed.rpartition("/")
     match = STEP_DIR_RE.match(last)
     if match and head and not head.endswith(":/"):

@@ -1,9 +1,12 @@
 """CheckpointManager: save (optionally in the background), list, load and prune checkpoints at one URL.
 
 Protocol (see :mod:`.manifest`): ``<url>/step_<N:09d>/`` holds one ``<name>.pt`` file per payload, written
-with ``torch.save``, then ``manifest.json`` written last. A save is committed exactly when its manifest is
-written, so a writer killed at any point leaves either the old set of checkpoints or the new one, plus at
-most one directory without a manifest, which every reader ignores.
+with ``torch.save``, then ``manifest.json`` written last. On a filesystem with rename (local disk, NFS) the
+whole step is written as ``.step_<N>.tmp-<uuid>/`` and committed by renaming it to ``step_<N:09d>``; an
+existing step of the same number is renamed aside, replaced, then deleted, so a valid copy exists at every
+moment. On object stores a save is committed exactly when its manifest is written. Either way a writer killed
+at any point leaves the old set of checkpoints or the new one, plus at most one directory that every reader
+ignores (a temporary name, or a step directory without a manifest); a failed save removes its partial files.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from .manifest import (
 )
 from .preflight import open_storage, preflight_storage
 from .staging import StagingArea
-from .storage import CheckpointStorage, step_dirname
+from .storage import CheckpointStorage, list_tmp_dirs, step_dirname, tmp_dirname
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,10 @@ class LoadedCheckpoint:
 _WRITE_FIX = "check that the URL is reachable and writable from this process (free space, permissions, credentials)"
 _INVALID_FIX = ("load another step (`orch ckpt list URL` marks the valid ones), or load() with no step for the newest "
                 "valid one")
+
+
+class _NoSpace(OSError):
+    """The filesystem reports less free space than the save is expected to need."""
 
 
 class _Unreadable(Exception):
@@ -190,24 +197,21 @@ class CheckpointManager:
         stepdir = step_dirname(step)
         try:
             storage = self.storage
-            # A rewrite of an existing step must not leave the old manifest describing new payloads.
-            if storage.exists(stepdir):
-                storage.remove(stepdir)
-            entries: dict[str, FileEntry] = {}
-            for name, obj in cpu_state.items():
-                buf = io.BytesIO()
-                torch.save(obj, buf)
-                data = buf.getbuffer()
-                fname = name + PAYLOAD_SUFFIX
-                entries[fname] = FileEntry(size=len(data), sha256=sha256_hex(data))
-                storage.write_bytes(f"{stepdir}/{fname}", data)
-                del data, buf
-            manifest = build_manifest(step, entries, metadata)
-            storage.write_bytes(f"{stepdir}/{MANIFEST_NAME}", encode_manifest(manifest))
+            self._check_free_space(storage)
+            if storage.has_rename:
+                manifest = self._write_and_rename(storage, step, stepdir, cpu_state, metadata)
+            else:
+                # Object stores: no rename, so the manifest written last is the commit. A rewrite of an
+                # existing step must not leave the old manifest describing new payloads.
+                if storage.exists(stepdir):
+                    storage.remove(stepdir)
+                manifest = self._write_files(storage, step, stepdir, cpu_state, metadata)
         except Exception as e:  # noqa: BLE001 - any failure must reach the caller, never vanish
             self._emit("checkpoint_failed", {
                 "step": step, "error": f"{type(e).__name__}: {e}", "async": is_async, "url": self.url,
             })
+            if isinstance(e, _NoSpace):
+                raise CheckpointError(f"checkpoint save of step {step} to {self.url} refused: {e}") from e
             raise CheckpointError(
                 f"checkpoint save of step {step} to {self.url} failed: {type(e).__name__}: {e}. Fix: {_WRITE_FIX}"
             ) from e
@@ -220,9 +224,66 @@ class CheckpointManager:
         })
         self._prune()
 
+    def _write_files(self, storage: CheckpointStorage, step: int, dirname: str, cpu_state: dict,
+                     metadata: dict) -> Manifest:
+        """Serialize each payload into ``dirname``, then its manifest last; returns the manifest."""
+        entries: dict[str, FileEntry] = {}
+        storage.makedirs(dirname)
+        for name, obj in cpu_state.items():
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            data = buf.getbuffer()
+            fname = name + PAYLOAD_SUFFIX
+            entries[fname] = FileEntry(size=len(data), sha256=sha256_hex(data))
+            self._write_payload(storage, f"{dirname}/{fname}", data)
+            del data, buf
+        manifest = build_manifest(step, entries, metadata)
+        storage.write_bytes_atomic(f"{dirname}/{MANIFEST_NAME}", encode_manifest(manifest))
+        return manifest
+
+    def _write_payload(self, storage: CheckpointStorage, relpath: str, data: memoryview) -> None:
+        """Write one payload file (a seam: tests replace it to fail midway through a save)."""
+        storage.write_bytes(relpath, data)
+
+    def _write_and_rename(self, storage: CheckpointStorage, step: int, stepdir: str, cpu_state: dict,
+                          metadata: dict) -> Manifest:
+        """Write the step under a temporary name, then commit it by rename (swapping out an existing one).
+
+        A failure removes the temporary directory, so the previous checkpoints stay as they were.
+        """
+        storage.restore_orphans()
+        tmp = tmp_dirname(step)
+        try:
+            manifest = self._write_files(storage, step, tmp, cpu_state, metadata)
+            storage.commit_dir(tmp, stepdir)
+        except BaseException:
+            try:
+                storage.remove(tmp)
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                log.exception("could not remove partial checkpoint %s", storage.url_for(tmp))
+            raise
+        return manifest
+
+    def _check_free_space(self, storage: CheckpointStorage) -> None:
+        """Refuse a save (``_NoSpace``) when the filesystem reports less free space than the newest valid
+        checkpoint took: better one clear checkpoint_failed than a disk filled to the last byte."""
+        free = storage.free_bytes()
+        if free is None:
+            return
+        previous = [i for i in self.list() if i.valid]
+        if not previous:
+            return
+        need = previous[-1].total_bytes
+        if free < need:
+            raise _NoSpace(
+                f"not enough free space under {self.url}: {free} bytes free, the previous checkpoint (step "
+                f"{previous[-1].step}) took {need} bytes. Fix: free space on that filesystem, lower "
+                "checkpoint.keep_last, or point checkpoint.url at a larger one"
+            )
+
     # -- retention --------------------------------------------------------------------------------
     def _prune(self) -> None:
-        """Keep the ``keep_last`` newest valid checkpoints; drop older valid ones and incomplete
+        """Keep the ``keep_last`` newest valid checkpoints; drop older valid ones, and incomplete or temporary
         directories older than the newest valid one. Failures warn (the new checkpoint is committed)."""
         try:
             infos = self.list()
@@ -235,6 +296,9 @@ class CheckpointManager:
                 doomed = (info.valid and info.step not in keep) or (not info.valid and info.step < newest)
                 if doomed and info.step != newest:
                     self.storage.remove(step_dirname(info.step))
+            for step, name in list_tmp_dirs(self.storage):  # left by writers that died before their commit
+                if step < newest:
+                    self.storage.remove(name)
         except Exception as e:  # noqa: BLE001
             msg = f"checkpoint retention under {self.url} failed: {type(e).__name__}: {e}"
             warnings.warn(msg, RuntimeWarning, stacklevel=2)

@@ -12,7 +12,7 @@ import uuid
 
 from orchestrator.errors import CheckpointSetupError
 
-from .storage import CheckpointStorage, missing_package_for, url_scheme
+from .storage import CheckpointStorage, UnusableURL, missing_package_for, normalize_url, url_scheme
 
 LAUNCH_SETTING = "checkpoint.url"
 _SCHEMES_HINT = "use a local path or a file://, s3://, gs:// or memory:// URL"
@@ -33,12 +33,15 @@ def _subject(url: object, setting: str | None) -> str:
 def open_storage(url: str, setting: str | None = None) -> CheckpointStorage:
     """Resolve ``url`` to a :class:`CheckpointStorage` without touching the network.
 
-    Raises CheckpointSetupError for an empty URL, an unknown scheme, or a scheme whose fsspec package (e.g.
-    s3fs) is not installed; the message names the pip package.
+    Raises CheckpointSetupError for an empty URL, a URL with no bucket or path (``s3://``, ``file:///``, see
+    :func:`~.storage.normalize_url`), an unknown scheme, or a scheme whose fsspec package (e.g. s3fs) is not
+    installed; the message names the pip package.
     """
     subject = _subject(url, setting)
-    if not isinstance(url, str) or not url.strip():
-        raise CheckpointSetupError(subject, "is empty", _SCHEMES_HINT)
+    try:
+        normalize_url(url)
+    except UnusableURL as e:
+        raise CheckpointSetupError(subject, e.problem, e.fix) from None
     scheme = url_scheme(url)
     try:
         return CheckpointStorage(url)

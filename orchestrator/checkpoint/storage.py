@@ -1,14 +1,18 @@
 """Checkpoint storage: a thin fsspec wrapper addressed by ``str`` URLs.
 
 URLs stay strings end to end (never ``pathlib``), so ``s3://bucket/x`` is never mangled into ``s3:/bucket/x``.
-Writes go straight to their final name because object stores have no atomic rename; a checkpoint becomes
-visible only when its manifest is written last (see :mod:`orchestrator.checkpoint.manifest`).
+Object stores have no atomic rename: there writes go straight to their final name and a checkpoint becomes
+visible only when its manifest is written last (see :mod:`orchestrator.checkpoint.manifest`). On a filesystem
+with rename (local disk, NFS) a step is written under a temporary name and committed by renaming it
+(:meth:`CheckpointStorage.commit_dir`); temporary names never match ``step_N`` and are never listed.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
+import uuid
 from typing import Any
 
 from fsspec.core import url_to_fs
@@ -16,6 +20,45 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.registry import known_implementations
 
 STEP_DIR_RE = re.compile(r"^step_(\d+)$")
+# Names a save uses before its commit; they start with "." and never match STEP_DIR_RE.
+TMP_DIR_RE = re.compile(r"^\.step_(\d+)\.tmp-[0-9a-f]+$")
+OLD_DIR_RE = re.compile(r"^\.step_(\d+)\.old-[0-9a-f]+$")
+
+
+class UnusableURL(ValueError):
+    """A checkpoint URL that names no place to write (``s3://``, ``file:///``); ``problem`` and ``fix`` say why."""
+
+    def __init__(self, problem: str, fix: str):
+        self.problem, self.fix = problem, fix
+        super().__init__(f"{problem}. Fix: {fix}")
+
+
+def normalize_url(url: str) -> str:
+    """``url`` with trailing slashes dropped from its path (never from ``scheme://``), or UnusableURL.
+
+    Refused: an empty URL, a scheme with no bucket or path after it (``s3://``, ``gs://``, ``memory://``,
+    ``file://``) and ``file:///`` (the filesystem root). ``file:///abs/path`` keeps meaning ``/abs/path``.
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise UnusableURL("is empty", "give a local path or a URL with a bucket and path, e.g. s3://my-bucket/ckpt")
+    if "://" not in url:
+        return url.rstrip("/") or url  # a plain path; "/" stays "/"
+    scheme, rest = url.split("://", 1)
+    if scheme == "file":
+        if not rest.strip("/"):
+            what = "names the filesystem root" if rest else "has no path after 'file://'"
+            raise UnusableURL(what, "give an absolute directory, e.g. file:///data/ckpt (or the plain path /data/ckpt)")
+        return f"file://{rest.rstrip('/')}"
+    if not rest.strip("/"):
+        example = f"{scheme}://my-bucket/checkpoints" if scheme in ("s3", "gs", "gcs", "az", "abfs") \
+            else f"{scheme}://some/path"
+        raise UnusableURL(f"has no bucket or path after '{scheme}://'", f"name a bucket and prefix, e.g. {example}")
+    return f"{scheme}://{rest.rstrip('/')}"
+
+
+def tmp_dirname(step: int) -> str:
+    """A fresh temporary directory name for writing ``step`` before its commit (unique per save)."""
+    return f".step_{step}.tmp-{uuid.uuid4().hex}"
 
 
 def step_dirname(step: int) -> str:
@@ -44,13 +87,15 @@ class CheckpointStorage:
     """
 
     def __init__(self, url: str, **storage_options: Any):
-        self.url = url.rstrip("/") if url.rstrip("/") else url
+        self.url = normalize_url(url)
         self.fs, self.root = url_to_fs(self.url, **storage_options)
         self.root = self.root.rstrip("/") or "/"
         # Local disks (and memory) need real directories before a file can be created in them; object
         # stores must NOT get makedirs: s3fs/gcsfs makedirs on a missing bucket would create the bucket.
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.needs_dirs = self.is_local or "memory" in _protocols(self.fs)
+        # Only a local (or NFS) mount gives an atomic directory rename; s3fs/gcsfs "mv" is copy + delete.
+        self.has_rename = self.is_local
 
     # -- addressing -------------------------------------------------------------------------------
     def path(self, relpath: str = "") -> str:
@@ -85,6 +130,83 @@ class CheckpointStorage:
                 os.fsync(f.fileno())
         else:
             self.fs.pipe_file(path, bytes(data))
+
+    def write_bytes_atomic(self, relpath: str, data: bytes | memoryview) -> None:
+        """Like :meth:`write_bytes`, but on a local disk through a temporary file and ``os.replace``, so a
+        reader sees the old content or the new, never a torn file. Elsewhere the same as write_bytes."""
+        if not self.is_local:
+            self.write_bytes(relpath, data)
+            return
+        tmp = f"{relpath}.tmp-{uuid.uuid4().hex}"
+        try:
+            self.write_bytes(tmp, data)
+            os.replace(self.path(tmp), self.path(relpath))
+        except BaseException:
+            self.remove_file(tmp)
+            raise
+        _fsync_dir(self.path(relpath).rsplit("/", 1)[0])
+
+    def commit_dir(self, tmp_relpath: str, final_relpath: str) -> None:
+        """Make the fully written ``tmp_relpath`` directory appear as ``final_relpath`` (needs has_rename).
+
+        An existing ``final_relpath`` is renamed aside first, the new one renamed in, then the old one
+        deleted: a valid copy exists at every moment (after a crash between the two renames it is the
+        ``.step_N.old-*`` directory, which :meth:`restore_orphans` puts back). If renaming the new one in
+        fails, the old one is put back before the error propagates.
+        """
+        if not self.has_rename:
+            raise NotImplementedError("commit_dir needs a filesystem with atomic rename")
+        final = self.path(final_relpath)
+        tmp = self.path(tmp_relpath)
+        parent = final.rsplit("/", 1)[0]
+        if not os.path.exists(final):
+            os.rename(tmp, final)
+            _fsync_dir(parent)
+            return
+        match = STEP_DIR_RE.match(final_relpath.rsplit("/", 1)[-1])
+        label = f"step_{int(match.group(1))}" if match else final_relpath.rsplit("/", 1)[-1].lstrip(".")
+        old = f"{parent}/.{label}.old-{uuid.uuid4().hex}"
+        os.rename(final, old)
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            os.rename(old, final)
+            raise
+        _fsync_dir(parent)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def restore_orphans(self) -> None:
+        """Put back a ``.step_N.old-*`` directory whose ``step_N`` is missing (a writer died mid-swap).
+
+        Only on filesystems with rename; a no-op elsewhere and when the root does not exist.
+        """
+        if not self.has_rename or not os.path.isdir(self.root):
+            return
+        names = os.listdir(self.root)
+        for name in names:
+            match = OLD_DIR_RE.match(name)
+            if not match:
+                continue
+            final = f"{self.root}/{step_dirname(int(match.group(1)))}"
+            if os.path.exists(final):
+                shutil.rmtree(f"{self.root}/{name}", ignore_errors=True)
+            else:
+                os.rename(f"{self.root}/{name}", final)
+
+    def free_bytes(self) -> int | None:
+        """Free space under the root where the filesystem reports it (local disks), else None."""
+        if not self.is_local:
+            return None
+        path = self.root
+        while path and not os.path.exists(path):
+            parent = os.path.dirname(path)
+            if parent == path:
+                return None
+            path = parent
+        try:
+            return shutil.disk_usage(path or ".").free
+        except OSError:
+            return None
 
     def remove(self, relpath_dir: str) -> None:
         """Delete ``relpath_dir`` and everything under it; missing is fine."""
@@ -144,6 +266,36 @@ class CheckpointStorage:
             if match and e.get("type") == "directory":
                 steps.append(int(match.group(1)))
         return sorted(set(steps))
+
+
+def _fsync_dir(path: str) -> None:
+    """Persist a rename in ``path`` (a directory entry) where the OS allows opening directories."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def list_tmp_dirs(storage: "CheckpointStorage") -> list[tuple[int, str]]:
+    """(step, name) of every temporary ``.step_N.tmp-*`` directory under the root (left by dead writers)."""
+    storage.fs.invalidate_cache(storage.root)
+    try:
+        entries = storage.fs.ls(storage.root, detail=True)
+    except FileNotFoundError:
+        return []
+    out = []
+    for e in entries:
+        name = e["name"].rstrip("/").rsplit("/", 1)[-1]
+        match = TMP_DIR_RE.match(name)
+        if match and e.get("type") == "directory":
+            out.append((int(match.group(1)), name))
+    return out
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:

@@ -25,6 +25,21 @@ def validate_config(cfg: OrchConfig) -> None:
         node = cfg.data.dataset if key == "data.dataset" else getattr(cfg, key)
         check_instantiable(key, node, supplied)
     _check_loggers(cfg)
+    _check_memory_checkpoint_url(cfg)
+
+
+def _check_memory_checkpoint_url(cfg: OrchConfig) -> None:
+    """memory:// is per process: with more than one rank each would save and resume from its own copy."""
+    url, c = cfg.checkpoint.url, cfg.cluster
+    ranks = c.max_nodes * c.nproc_per_node
+    if isinstance(url, str) and url.startswith("memory://") and ranks > 1:
+        raise ConfigError(
+            "checkpoint.url", url,
+            "use a path on a shared filesystem or an object store URL (e.g. s3://my-bucket/ckpt), or run one "
+            "process (cluster.nnodes=1 cluster.nproc_per_node=1)",
+            f"is an in-process memory filesystem, but the job runs up to {ranks} processes "
+            f"(cluster.nnodes={c.nnodes} x cluster.nproc_per_node={c.nproc_per_node}), each with its own copy",
+        )
 
 
 def _check_loggers(cfg: OrchConfig) -> None:
