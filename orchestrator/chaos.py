@@ -1,35 +1,111 @@
-"""Fault injection against a running launch: the drills users run to watch recovery, and what tests use."""
+"""Fault injection against a running launch: the drills users run to watch recovery, and what tests use.
+
+Chaos acts only on what it owns: a signal goes to a PID only while the run dir's latest launch is still
+running (no ``run_finished`` after its last ``launch_started``) and only when that PID is a torchrun agent
+of THAT run (its argv runs ``torch.distributed.run`` and either names the run's rendezvous id or its
+environment has ``ORCH_RUN_DIR`` set to this run dir). A PID reused by an unrelated process after the run
+ended is never signalled.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
+from typing import Optional
 
 from orchestrator.errors import UserError
 from orchestrator.preemption.notices import deliver_notice
-from orchestrator.rundir import NODES_FILE, EventLog, EventName
+from orchestrator.rundir import NODES_FILE, EventLog, EventName, latest_launch
+
+AGENT_MODULE = "torch.distributed.run"
 
 
 def node_pids(run_dir: str) -> dict[int, int]:
-    """The agent PID of every node of the launch in ``run_dir``."""
+    """The agent PID of every node of the launch in ``run_dir`` (exit 2 when nodes.json is absent or malformed)."""
     path = Path(run_dir) / NODES_FILE
     if not path.exists():
         raise UserError(f"run dir {run_dir!r} has no {NODES_FILE}: it is not a running launch. "
                         "Fix: pass the run dir printed by `orch launch` while it runs")
-    return {int(node): pid for node, pid in json.loads(path.read_text()).items()}
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        pids = {int(node): pid for node, pid in data.items()}
+        if not all(isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in pids.values()):
+            raise ValueError("a PID is not a positive integer")
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path} is malformed ({' '.join(str(exc).split())}): expected {{\"<node>\": <agent pid>}}. "
+                        "Fix: pass the run dir of a launch orch is running now; do not edit its nodes.json") from None
+    return pids
 
 
-def kill_node(run_dir: str, node: int, sig: int = signal.SIGKILL) -> list[int]:
-    """Kill simulated node ``node``: its torchrun agent and every worker under it. Logs ``chaos_kill``."""
-    from orchestrator.processes import kill_tree
+def _require_running(run_dir: str) -> Optional[str]:
+    """The run id of ``run_dir``'s latest launch (None if it recorded none); exit 2 when that launch finished."""
+    events = latest_launch(EventLog(run_dir).read())
+    finished = next((e for e in reversed(events) if e.get("event") == EventName.RUN_FINISHED), None)
+    if finished is not None:
+        raise UserError(f"run dir {run_dir!r}: its launch already finished ({finished.get('status', 'run_finished')}), "
+                        f"so the PIDs in its {NODES_FILE} may belong to other processes now. "
+                        "Fix: pass the run dir of a launch that is running now")
+    started = events[0] if events and events[0].get("event") == EventName.LAUNCH_STARTED else None
+    return str(started["run_id"]) if started and started.get("run_id") else None
 
+
+def _agent_mismatch(pid: int, run_dir: str, run_id: Optional[str]) -> Optional[str]:
+    """None when ``pid`` is a live torchrun agent of the run in ``run_dir``; else why not (for the message).
+
+    Works for agents inside test-cluster namespaces too: those share this PID namespace (only the network and
+    UTS namespaces differ), and ``enter_argv`` execs, so the PID in nodes.json is the agent itself."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        cmdline = proc.cmdline()
+    except psutil.NoSuchProcess:
+        return "is not running"
+    except psutil.AccessDenied:
+        return "cannot be inspected (permission denied)"
+    shown = " ".join(cmdline)[:80] or proc.name()
+    if AGENT_MODULE not in cmdline:
+        return f"is not a torchrun agent ({shown!r})"
+    if run_id and any(a == f"--rdzv-id={run_id}" or (a.startswith(f"--rdzv-id={run_id}-")
+                                                      and a[len(f"--rdzv-id={run_id}-"):].isdigit())
+                      for a in cmdline):
+        return None
+    try:
+        env_dir = proc.environ().get("ORCH_RUN_DIR")
+        cwd = proc.cwd() if env_dir and not os.path.isabs(env_dir) else "/"
+    except (psutil.AccessDenied, psutil.NoSuchProcess):
+        env_dir = None
+    if env_dir and os.path.realpath(os.path.join(cwd, env_dir)) == os.path.realpath(run_dir):
+        return None
+    return f"is a torchrun agent of another run ({shown!r})"
+
+
+def _agent_pid(run_dir: str, node: int) -> int:
+    """The PID of ``node``'s agent, checked: the launch is running and the PID is its agent (else exit 2)."""
     pids = node_pids(run_dir)
     if node not in pids:
         raise UserError(f"--node {node}: run dir {run_dir!r} has nodes {sorted(pids)}. Fix: pick one of them")
-    killed = kill_tree(pids[node], sig)
+    run_id = _require_running(run_dir)
+    why = _agent_mismatch(pids[node], run_dir, run_id)
+    if why is not None:
+        raise UserError(f"--node {node}: pid {pids[node]} in {run_dir}/{NODES_FILE} {why}, not this run's agent: "
+                        "nothing was signalled. Fix: pick a live node of a running launch (see its nodes.json)")
+    return pids[node]
+
+
+def kill_node(run_dir: str, node: int, sig: int = signal.SIGKILL) -> list[int]:
+    """Kill simulated node ``node``: its torchrun agent and every worker under it. Logs ``chaos_kill``. Exit 2
+    (nothing signalled) unless the launch is running and the PID is its agent for ``node``."""
+    from orchestrator.processes import kill_tree
+
+    pid = _agent_pid(run_dir, node)
+    killed = kill_tree(pid, sig)
     if not killed:
-        raise UserError(f"--node {node}: its agent (pid {pids[node]}) is not running. Fix: pick a live node")
+        raise UserError(f"--node {node}: its agent (pid {pid}) is not running. Fix: pick a live node")
     EventLog(run_dir).emit(EventName.CHAOS_KILL, node=node, pids=killed, signal=signal.Signals(sig).name)
     return killed
 
@@ -47,16 +123,14 @@ def preempt_node(run_dir: str, node: int, grace_s: float = 30.0) -> dict:
 
     import psutil
 
-    pid = node_pids(run_dir).get(node)
-    if pid is None or not psutil.pid_exists(pid):
-        raise UserError(f"--node {node}: run dir {run_dir!r} has no live agent for it. Fix: pick a live node "
-                        f"(nodes.json lists {sorted(node_pids(run_dir))})")
+    pid = _agent_pid(run_dir, node)
     t0 = time.time()
     deliver_notice(run_dir, node, pid, grace_s, source="chaos", detail=f"orch chaos preempt (grace {grace_s} s)")
     EventLog(run_dir).emit(EventName.CHAOS_PREEMPT, node=node, grace_s=grace_s, agent_pid=pid)
-    proc = psutil.Process(pid)
     try:
-        proc.wait(timeout=grace_s)
+        psutil.Process(pid).wait(timeout=grace_s)
+        return {"node": node, "left_in_s": time.time() - t0}
+    except psutil.NoSuchProcess:  # it left between the check and the wait
         return {"node": node, "left_in_s": time.time() - t0}
     except psutil.TimeoutExpired:
         return {"node": node, "killed_pids": kill_node(run_dir, node)}

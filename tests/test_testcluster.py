@@ -218,3 +218,76 @@ def test_fixture_skips_with_one_line_where_namespaces_are_not_allowed(monkeypatc
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     reason = pytest_plugin.testcluster_unavailable()
     assert reason.startswith("the testcluster fixture needs root") and "\n" not in reason
+
+
+def _crafted_state(tmp_path, name, netns):
+    """A state file for cluster ``name`` in ``tmp_path`` (the state dir) whose node 0 names ``netns``."""
+    state = json.loads(plan_cluster(name, 2, subnet_index=91).to_json())
+    state["nodes"][0]["netns"] = netns
+    (tmp_path / f"{name}.json").write_text(json.dumps(state))
+
+
+@pytest.mark.parametrize("bad", ["{victim}", "../..{victim}", "orch-evil-node0/../..{victim}", "orch-other-node0",
+                                 "orch-evil-node0x"])
+def test_a_state_file_naming_what_the_cluster_does_not_own_is_refused(tmp_path, monkeypatch, bad):
+    """Pure (no root): the state is checked when it is read, before `down`/`up` touch anything it names."""
+    from orchestrator.errors import UserError
+    from orchestrator.testcluster.state import STATE_DIR_ENV
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    monkeypatch.setenv(STATE_DIR_ENV, str(tmp_path))
+    _crafted_state(tmp_path, "evil", bad.format(victim=victim))
+    with pytest.raises(UserError, match="never creates: refusing to remove or change anything"):
+        load_state("evil")
+    for escaping in (str(victim), "../tmp", "..", ""):
+        with pytest.raises(nx.NetnsError, match="would escape /etc/netns"):
+            nx.netns_etc_dir(escaping)
+
+
+def test_a_malformed_state_file_is_one_user_error(tmp_path, monkeypatch):
+    from orchestrator.errors import UserError
+    from orchestrator.testcluster.state import STATE_DIR_ENV
+
+    monkeypatch.setenv(STATE_DIR_ENV, str(tmp_path))
+    for text in ("{not json", '{"name": "evil"}', '{"name": "evil", "nodes": 3}'):
+        (tmp_path / "evil.json").write_text(text)
+        with pytest.raises(UserError, match="is malformed") as info:
+            load_state("evil")
+        assert "\n" not in str(info.value)
+
+
+def test_down_refuses_a_state_file_whose_paths_escape_etc_netns(netns_allowed, tmp_path):
+    """`down` deletes what a state file names: one naming an absolute path or `..` is refused whole, with one
+    line and exit 2, and the path it names is still there."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep").write_text("precious\n")
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    for bad in (str(victim), "../.." + str(victim)):
+        _crafted_state(state_dir, "evil", bad)
+        r = run_orch("testcluster", "down", "evil", env={"ORCH_TESTCLUSTER_DIR": str(state_dir)}, timeout=60)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+        assert f"names network namespace {bad!r}" in r.stderr and "Fix:" in r.stderr
+        assert (victim / "keep").read_text() == "precious\n"
+        assert (state_dir / "evil.json").exists(), "a refused state file is left for a human to inspect"
+
+
+def test_up_and_down_rewrite_etc_hosts_atomically_and_restore_it(netns_allowed, tmp_path):
+    name = f"hosts{os.getpid() % 10000}"
+    env = {"ORCH_TESTCLUSTER_DIR": str(tmp_path)}
+    before, inode = HOSTS_FILE.read_text(), HOSTS_FILE.stat().st_ino
+    try:
+        r = run_orch("testcluster", "up", "--nodes", "1", "--name", name, env=env, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert HOSTS_FILE.stat().st_ino != inode, "renamed over, not written in place"
+        assert f"# BEGIN orch testcluster {name}" in HOSTS_FILE.read_text()
+        backup = tmp_path / f"{name}.hosts.bak"
+        assert backup.read_text() == before, "the previous /etc/hosts is kept next to the state file"
+        assert not list(HOSTS_FILE.parent.glob(".hosts.orch-*")), "no temporary file left in /etc"
+        r = run_orch("testcluster", "down", name, env=env, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert HOSTS_FILE.read_text() == before and not backup.exists()
+    finally:
+        run_orch("testcluster", "down", name, env=env, timeout=60)

@@ -18,8 +18,10 @@ appended to the cluster's fault log, which a launcher running on the cluster tur
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,8 +31,8 @@ from typing import Iterator
 from orchestrator.rundir import append_jsonl, read_jsonl
 from orchestrator.testcluster import netns as nx
 from orchestrator.testcluster.state import (
-    SUBNET_PREFIX, ClusterState, check_name, faults_path, link_tag, load_state, plan_cluster,
-    require_state, state_dir, state_path,
+    SUBNET_PREFIX, ClusterState, check_name, faults_path, hosts_backup_path, link_re, link_tag, load_state,
+    netns_re, plan_cluster, require_state, state_dir, state_path,
 )
 
 
@@ -89,7 +91,7 @@ def _create(state: ClusterState) -> None:
     _edit_host_hosts(state.name, state.hosts_block())
     for node in state.nodes:
         nx.ip("netns", "add", node.netns)
-        etc = nx.NETNS_ETC / node.netns
+        etc = nx.netns_etc_dir(node.netns)
         etc.mkdir(parents=True, exist_ok=True)
         (etc / "hosts").write_text(hosts)
         (etc / "nsswitch.conf").write_text(_files_only_nsswitch())
@@ -115,11 +117,12 @@ def _block_markers(name: str) -> tuple[str, str]:
 
 def _edit_host_hosts(name: str, block: str = "") -> bool:
     """Replace cluster ``name``'s marked block in the host's /etc/hosts with ``block`` (empty: remove it).
-    Written in place, not renamed over: /etc/hosts is often a bind mount. Returns whether a block was there."""
+    Returns whether a block was there. Adding a block first keeps the previous content in
+    :func:`hosts_backup_path` (``down`` deletes it once the block is gone); see :func:`_write_hosts`."""
     begin, end = _block_markers(name)
-    lines = HOSTS_FILE.read_text().splitlines() if HOSTS_FILE.exists() else []
+    text = HOSTS_FILE.read_text() if HOSTS_FILE.exists() else ""
     kept, inside, found = [], False, False
-    for line in lines:
+    for line in text.splitlines():
         if line == begin:
             inside = found = True
         elif line == end and inside:
@@ -127,12 +130,49 @@ def _edit_host_hosts(name: str, block: str = "") -> bool:
         elif not inside:
             kept.append(line)
     if block:
+        backup = hosts_backup_path(name)
+        if not backup.exists():
+            write_text_atomic(backup, text)
         kept += [begin, *block.splitlines(), end]
     if found or block:
-        with HOSTS_FILE.open("r+") as f:
-            f.write("\n".join(kept) + "\n")
-            f.truncate()
+        _write_hosts("\n".join(kept) + "\n", name)
     return found
+
+
+def _write_hosts(text: str, name: str) -> None:
+    """Write /etc/hosts atomically: a temporary file in /etc (same owner and mode) renamed over it, so a
+    reader (or a crash) sees the old or the new file, whole. Where /etc/hosts is a mount point (Docker
+    bind-mounts it) a rename cannot replace it: only then is it rewritten in place, the backup file
+    being what restores it."""
+    tmp = HOSTS_FILE.with_name(f".{HOSTS_FILE.name}.orch-{name}.{os.getpid()}.tmp")
+    try:
+        st = HOSTS_FILE.stat() if HOSTS_FILE.exists() else None
+        tmp.unlink(missing_ok=True)  # left by a crashed edit of the same PID
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, st.st_mode & 0o7777 if st else 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if st:
+            os.chown(tmp, st.st_uid, st.st_gid)
+            os.chmod(tmp, st.st_mode & 0o7777)
+        try:
+            os.replace(tmp, HOSTS_FILE)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EBUSY, errno.EXDEV, errno.EPERM):
+                raise
+        with HOSTS_FILE.open("r+") as f:
+            f.write(text)
+            f.truncate()
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def _files_only_nsswitch() -> str:
@@ -144,14 +184,14 @@ def _files_only_nsswitch() -> str:
 
 def _own_netns(name: str) -> list[str]:
     """Namespaces of cluster ``name``: exactly ``orch-NAME-node<digits>``."""
-    prefix = f"orch-{name}-node"
-    return [n for n in nx.list_netns() if n.startswith(prefix) and n[len(prefix):].isdigit()]
+    own = netns_re(name)
+    return [n for n in nx.list_netns() if own.fullmatch(n)]
 
 
 def _own_links(name: str) -> list[str]:
     """Host links of cluster ``name``: ``ot<tag>br`` and ``ot<tag>n<digits>``."""
-    tag = f"ot{link_tag(name)}"
-    return [l for l in nx.links() if l == f"{tag}br" or (l.startswith(f"{tag}n") and l[len(tag) + 1:].isdigit())]
+    own = link_re(name)
+    return [l for l in nx.links() if own.fullmatch(l)]
 
 
 def down(name: str) -> dict:
@@ -173,7 +213,7 @@ def _remove(name: str) -> dict:
         killed += nx.remove_netns(ns)
     links = [l for l in _own_links(name) if nx.remove_link(l)]
     _edit_host_hosts(name)
-    for path in (state_path(name), faults_path(name)):
+    for path in (state_path(name), faults_path(name), hosts_backup_path(name)):
         path.unlink(missing_ok=True)
     return {"name": name, "namespaces": spaces, "links": links, "killed_pids": killed}
 
@@ -184,7 +224,7 @@ def leftovers(name: str) -> list[str]:
     left += [f"pid {p} in {n}" for n in _own_netns(name) for p in nx.netns_pids(n)]
     tag_dirs = [p for p in nx.NETNS_ETC.glob(f"orch-{name}-node*")] if nx.NETNS_ETC.exists() else []
     left += [f"dir {p}" for p in tag_dirs]
-    left += [f"file {p}" for p in (state_path(name), faults_path(name)) if p.exists()]
+    left += [f"file {p}" for p in (state_path(name), faults_path(name), hosts_backup_path(name)) if p.exists()]
     if HOSTS_FILE.exists() and _block_markers(name)[0] in HOSTS_FILE.read_text().splitlines():
         left.append(f"block in {HOSTS_FILE}")
     return left

@@ -107,12 +107,28 @@ def write_sysctl(netns: Optional[str], key: str, value: str) -> None:
         in_netns(netns, "sh", "-c", f"echo {value} > {path}")
 
 
+def netns_etc_dir(netns: str) -> Path:
+    """``/etc/netns/<netns>``, refusing (NetnsError) a name that would put it anywhere else: an absolute name,
+    one with ``/`` or ``..``, or an empty one."""
+    if not netns or "/" in netns or netns in (".", "..") or ".." in netns or "\0" in netns:
+        raise NetnsError(f"network namespace name {netns!r} would escape {NETNS_ETC}: refusing to touch it")
+    path = NETNS_ETC / netns
+    if path.parent != NETNS_ETC:
+        raise NetnsError(f"network namespace name {netns!r} would escape {NETNS_ETC}: refusing to touch it")
+    return path
+
+
 def remove_netns(netns: str) -> list[int]:
-    """Kill what runs in ``netns``, delete it and its ``/etc/netns`` entry; returns the PIDs killed."""
+    """Kill what runs in ``netns``, delete it and its ``/etc/netns`` entry; returns the PIDs killed. Only
+    ``/etc/netns/<netns>`` itself is deleted (a symlink there is unlinked, never followed)."""
+    etc = netns_etc_dir(netns)
     killed = kill_netns_processes(netns) if netns in list_netns() else []
     if netns in list_netns():
         ip("netns", "del", netns)
-    shutil.rmtree(NETNS_ETC / netns, ignore_errors=True)
+    if etc.is_symlink():
+        etc.unlink()
+    else:
+        shutil.rmtree(etc, ignore_errors=True)
     return killed
 
 

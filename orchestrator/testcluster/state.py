@@ -135,12 +135,60 @@ def faults_path(name: str) -> Path:
     return state_dir() / f"{check_name(name)}.faults.jsonl"
 
 
+def netns_re(name: str) -> re.Pattern:
+    """The only namespace names cluster ``name`` ever creates: ``orch-NAME-node<N>``."""
+    return re.compile(rf"orch-{re.escape(check_name(name))}-node(0|[1-9][0-9]{{0,2}})")
+
+
+def link_re(name: str) -> re.Pattern:
+    """The only host link names cluster ``name`` ever creates: ``ot<tag>br`` and ``ot<tag>n<N>``."""
+    return re.compile(rf"ot{link_tag(check_name(name))}(br|n(0|[1-9][0-9]{{0,2}}))")
+
+
+def validate_state(name: str, state: ClusterState, path: Path) -> ClusterState:
+    """``state`` as read from ``path``, checked to name only what ``up`` of cluster ``name`` creates: its own
+    name, namespaces ``orch-NAME-node<N>`` (so ``/etc/netns/<netns>`` stays under /etc/netns: no absolute
+    name, no ``..``, no ``/``) and links ``ot<tag>...``. ``down`` deletes what the state names, so a state file
+    that names anything else is refused (exit 2) before anything is touched."""
+    def refuse(what: str) -> UserError:
+        return UserError(f"test cluster state file {path} names {what}, which cluster {name!r} never creates: "
+                         "refusing to remove or change anything. Fix: inspect that file; delete it by hand if it "
+                         "is not orch's, then `orch testcluster down` removes only the cluster's own namespaces")
+
+    if state.name != name:
+        raise refuse(f"cluster {state.name!r}")
+    own_ns, own_link = netns_re(name), link_re(name)
+    for node in state.nodes:
+        netns = node.netns if isinstance(node.netns, str) else repr(node.netns)
+        if not own_ns.fullmatch(netns) or "/" in netns or ".." in netns:
+            raise refuse(f"network namespace {netns!r} (path /etc/netns/{netns})")
+        for link in (node.host_link,):
+            if not isinstance(link, str) or not own_link.fullmatch(link):
+                raise refuse(f"link {link!r}")
+    if not isinstance(state.bridge, str) or not own_link.fullmatch(state.bridge):
+        raise refuse(f"bridge {state.bridge!r}")
+    return state
+
+
+def hosts_backup_path(name: str) -> Path:
+    """The host's /etc/hosts as it was before ``up`` of cluster ``name`` added its block; ``down`` deletes it
+    once the block is removed (until then it is there to restore by hand)."""
+    return state_dir() / f"{check_name(name)}.hosts.bak"
+
+
 def load_state(name: str) -> Optional[ClusterState]:
-    """The saved state of cluster ``name``, or None if no such cluster is up."""
+    """The saved state of cluster ``name``, or None if no such cluster is up. Exit 2 when the file is
+    malformed or names anything the cluster does not own (see :func:`validate_state`)."""
     path = state_path(name)
     if not path.exists():
         return None
-    return ClusterState.from_dict(json.loads(path.read_text()))
+    try:
+        state = ClusterState.from_dict(json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"test cluster state file {path} is malformed ({type(exc).__name__}: "
+                        f"{' '.join(str(exc).split())}). Fix: inspect it; delete it by hand if it is not "
+                        "orch's") from None
+    return validate_state(name, state, path)
 
 
 def require_state(name: str) -> ClusterState:
