@@ -146,7 +146,7 @@ def cmd_k8s_render(args: argparse.Namespace) -> int:
 def cmd_rendezvous_store(args: argparse.Namespace) -> int:
     from orchestrator.k8s.store import serve_store
 
-    return serve_store(args.port, say=lambda line: print(line, flush=True))
+    return serve_store(args.port, say=lambda line: print(line, flush=True), host=args.host)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -248,7 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_k8s_render)
 
     p = sub.add_parser("rendezvous-store", help="host the c10d rendezvous store on its own (a Kubernetes job's store pod)")
-    p.add_argument("--port", type=int, default=29400, help="TCP port, on every interface (default 29400; 0: a free one)")
+    p.add_argument("--port", type=int, default=29400, help="TCP port (default 29400; 0: a free one)")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0: every IPv4 interface of "
+                                                     "the store pod, which the Service routes to; :: for IPv6)")
     p.set_defaults(func=cmd_rendezvous_store)
     return parser
 

@@ -242,8 +242,13 @@ def test_rendezvous_store_subcommand_serves_until_sigterm(tmp_path):
         client = TCPStore(POD_IP, port, is_master=False, timeout=timedelta(seconds=10))
         client.set("k", "v")
         assert client.get("k") == b"v"
+        import psutil
+
+        # In a pod, every IPv4 interface on purpose: the Service routes to the pod's own address.
+        listening = {c.laddr for c in psutil.Process(proc.pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+        assert {(a.ip, a.port) for a in listening} == {("0.0.0.0", port)}, listening
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
-        assert f"rendezvous store listening on port {port}" in log.read_text()
+        assert f"rendezvous store listening on 0.0.0.0 port {port}" in log.read_text()
     finally:
         stop_tree(proc.pid)

@@ -10,6 +10,7 @@ Fast: no subprocesses, one store on loopback.
 from __future__ import annotations
 
 import base64
+import io
 import os
 import pickle
 import time
@@ -66,6 +67,34 @@ def joined(store):
     handler._stop_heartbeats()
 
 
+def load_recording_classes(pickled: bytes) -> tuple[object, set[tuple[str, str]]]:
+    """Unpickle ``pickled`` with no restriction (it is torch's own state) and return the classes it named."""
+    named: set[tuple[str, str]] = set()
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module, name):
+            named.add((module, name))
+            return super().find_class(module, name)
+
+    return Recording(io.BytesIO(pickled)).load(), named
+
+
+def test_every_class_torchs_state_pickles_is_one_orch_decodes(store, joined):
+    """A state with every field filled (a deadline, both lists, keep-alives): the classes its pickle names are
+    all in state.PICKLED_CLASSES, and decode reads it."""
+    holder = joined[0]._state_holder
+    state = holder.state
+    state.deadline = datetime.now(timezone.utc) + timedelta(seconds=30)
+    state.wait_list, state.redundancy_list = {node(7)}, {node(8)}
+    state.last_heartbeats[node(7)] = datetime.now(timezone.utc)
+    _, named = load_recording_classes(pickle.dumps(state))
+    new = sorted(f"{module}.{name}" for module, name in named - rs.PICKLED_CLASSES)
+    expect(not new, "the classes torch's state pickle names", f"new class(es) {new}: orch's decode refuses them "
+           "(state.PICKLED_CLASSES); admit them there only if they cannot run code")
+    decoded = rs.decode(base64.b64encode(pickle.dumps(state)))
+    assert decoded.deadline == state.deadline and {m.pid for m in decoded.members()} >= {7, 8}
+
+
 def test_the_store_key_and_its_placeholder(store):
     client = store.client()
     backend = C10dRendezvousBackend(client, "job")
@@ -82,9 +111,12 @@ def test_the_store_key_and_its_placeholder(store):
 def test_the_stored_value_is_a_base64_pickle_of_torchs_state_class(store, joined):
     raw = store.client().get(rs.state_key("job"))
     try:
-        obj = pickle.loads(base64.b64decode(raw, validate=True))
+        obj, named = load_recording_classes(base64.b64decode(raw, validate=True))
     except Exception as e:
         expect(False, "the stored state's encoding", f"not a base64 pickle ({type(e).__name__}: {e})")
+    new = sorted(f"{module}.{name}" for module, name in named - rs.PICKLED_CLASSES)
+    expect(not new, "the classes torch's state pickle names", f"new class(es) {new}: orch's decode refuses them "
+           "(state.PICKLED_CLASSES); admit them there only if they cannot run code")
     expect(type(obj) is dr._RendezvousState, "the stored state's class", f"is {type(obj).__qualname__}")
     for name in rs.STATE_FIELDS:
         expect(name in vars(obj), f"_RendezvousState.{name}", f"missing (it has {sorted(vars(obj))})")

@@ -18,15 +18,17 @@ from orchestrator.k8s.pods import labels, metadata, selector, store_port, store_
 COMPONENT = "rendezvous-store"
 
 
-def serve_store(port: int, say: Callable[[str], None] = print) -> int:
-    """Host a store on ``port`` (0: a free one; the server listens on every interface) until SIGTERM or
-    SIGINT; returns 0, the exit status of a store that was asked to stop."""
+def serve_store(port: int, say: Callable[[str], None] = print, host: str = "0.0.0.0") -> int:
+    """Host a store on ``host``:``port`` (0: a free port) until SIGTERM or SIGINT; returns 0, the exit status of
+    a store that was asked to stop. The default listens on every IPv4 interface of the store pod, deliberately:
+    a pod's network namespace has only loopback and the pod's own interface, which the Service routes to
+    (``--host ::`` for an IPv6 cluster); outside a pod, name the one address agents dial."""
     from orchestrator.rendezvous import RendezvousStore
 
-    store = RendezvousStore("127.0.0.1", port)
+    store = RendezvousStore("127.0.0.1" if host in ("0.0.0.0", "::") else host, port, listen=host)
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
-    say(f"rendezvous store listening on port {store.port}")
+    say(f"rendezvous store listening on {host} port {store.port}")
     try:
         while not stop.wait(1.0):
             pass

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import io
 import pickle
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -38,11 +39,34 @@ STATE_FIELDS = ("round", "complete", "deadline", "closed", "participants", "wait
 MEMBER_FIELDS = ("addr", "pid", "local_id")
 """The attributes of torch's ``_NodeDesc``, the identity of one agent in the rendezvous."""
 
+PICKLED_CLASSES = frozenset({
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState"),
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NodeDesc"),
+    ("datetime", "datetime"), ("datetime", "timezone"), ("datetime", "timedelta"),
+    # Plain containers: a protocol 4+ pickle (torch's) has opcodes for them, an older protocol names them.
+    ("builtins", "set"), ("builtins", "frozenset"),
+})
+"""The only classes :func:`decode` lets a stored pickle name: what torch's own state pickles reference
+(``tests/test_rendezvous_contract.py`` names any other one a torch release adds). Anyone who can reach the store
+can write the key, and unpickling any other global (``os.system``, ``builtins.eval``, ...) would run their code
+in orch."""
+
 T = TypeVar("T")
 
 
 class RendezvousStateError(OrchError):
-    """The store holds a rendezvous state that orch cannot read: torch changed its private format."""
+    """The store holds a rendezvous state that orch cannot read: torch changed its private format, or someone
+    wrote a pickle that names a class torch's state does not."""
+
+
+class _StateUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only :data:`PICKLED_CLASSES`: every callable a pickle can invoke is looked up
+    through ``find_class``, so nothing else in a stored value can run."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in PICKLED_CLASSES:
+            raise RendezvousStateError(f"refused to unpickle {module}.{name}: not a class of torch's rendezvous state")
+        return super().find_class(module, name)
 
 
 @dataclass(frozen=True, order=True)
@@ -128,7 +152,9 @@ def _format_error(key: str, problem: str) -> RendezvousStateError:
 def decode(raw: bytes, key: str = "<rendezvous>") -> Optional[RendezvousState]:
     """The state held in the store as ``raw`` (what a store ``get`` of ``key`` returns); None for torch's
     placeholder before the first state. Raises :class:`RendezvousStateError` for anything else it cannot read.
-    The one place that turns stored bytes into objects: unpickling happens here and nowhere else."""
+    The one place that turns stored bytes into objects: unpickling happens here and nowhere else, and it
+    resolves only :data:`PICKLED_CLASSES` (any other class in the pickle: :class:`RendezvousStateError`, naming
+    it, before anything in the pickle runs)."""
     if raw == NULL_SENTINEL:
         return None
     try:
@@ -136,7 +162,9 @@ def decode(raw: bytes, key: str = "<rendezvous>") -> Optional[RendezvousState]:
     except (binascii.Error, ValueError) as e:
         raise _format_error(key, f"is not base64 ({e})") from e
     try:
-        obj = pickle.loads(pickled)
+        obj = _StateUnpickler(io.BytesIO(pickled)).load()
+    except RendezvousStateError as e:
+        raise RendezvousStateError(f"rendezvous state {key!r}: {e}") from None
     except Exception as e:  # an unpickling failure: a class or module torch renamed, or not a pickle at all
         raise _format_error(key, f"does not unpickle ({type(e).__name__}: {e})") from e
     return _from_torch(obj, key)

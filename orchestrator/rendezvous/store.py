@@ -10,6 +10,7 @@ its keep-alive to expire, and reopens a round its departure broke, so the surviv
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 from typing import Optional
 
@@ -19,15 +20,47 @@ from orchestrator.rendezvous import state as rdzv_state
 from orchestrator.rendezvous.state import Eviction, RendezvousState
 
 
-class RendezvousStore:
-    """A TCPStore server on ``host``:``port`` (0 picks a free port). ``endpoint`` is what agents dial."""
+def listening_socket(address: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``address``:``port`` only (0: a free port); ``"0.0.0.0"`` or ``"::"`` for
+    every interface."""
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and sockaddr[0] == "::":
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # every interface, IPv4 too
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 300.0):
+
+class RendezvousStore:
+    """A TCPStore server on ``host``:``port`` (0 picks a free port). ``endpoint`` is what agents dial.
+
+    The server listens on ``listen`` only (default: ``host``, the address the plan gives agents), never on
+    every interface unless asked (``listen="0.0.0.0"``): whoever reaches the store can rewrite the rendezvous.
+    torch's ``TCPStore`` server binds ``::`` (every interface) whatever host it is given, so orch binds the
+    socket itself and hands torch the listening descriptor (``master_listen_fd``); torch owns it from then on.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 300.0,
+                 listen: Optional[str] = None):
         self.host = host
-        # multi_tenant: torchrun's own clients open it that way; wait_for_workers=False: agents come and go.
+        self.listen = host if listen is None else listen
+        sock = listening_socket(self.listen, port)
+        port = sock.getsockname()[1]
+        # torch owns the descriptor from here: its server closes it when it stops, and also when the
+        # constructor fails (so closing it here too could close another file that reused the number).
+        fd = sock.detach()
+        # multi_tenant: torchrun's own clients open it that way; wait_for_workers=False: agents come and go;
+        # use_libuv: the backend whose master_listen_fd is checked here (tests/test_rendezvous_security.py).
         self._store = TCPStore(host, port, is_master=True, multi_tenant=True, wait_for_workers=False,
-                               timeout=timedelta(seconds=timeout_s))
-        self._port = self._store.port
+                               timeout=timedelta(seconds=timeout_s), master_listen_fd=fd, use_libuv=True)
+        self._port = port
 
     @property
     def port(self) -> int:
