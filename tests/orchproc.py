@@ -59,3 +59,25 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
 
 def summary(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def launch_and_preempt(tmp_path: Path, script: str, max_steps: int, every_n_steps: int, preempt_at_step: int,
+                       start_timeout_s: float = 150) -> Path:
+    """``orch launch`` a user ``script`` on two simulated nodes, ``orch chaos preempt`` node 1 once a metrics
+    record reaches ``preempt_at_step``, and wait for the launch to succeed; returns the run dir."""
+    run_dir, log = tmp_path / "run", tmp_path / "orch.log"
+    proc = start_orch("launch", "conf=cpu_elastic", "launcher=local", "cluster.nnodes=2", f"entrypoint.script={script}",
+                      f"trainer.max_steps={max_steps}", "trainer.log_every=1", f"checkpoint.every_n_steps={every_n_steps}",
+                      f"run.dir={run_dir}", log=log)
+    try:
+        def training() -> bool:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            return any(m["step"] >= preempt_at_step for m in read_jsonl(run_dir / "metrics.jsonl"))
+
+        wait_for(training, start_timeout_s, "training")
+        preempted = run_orch("chaos", "preempt", str(run_dir), "--node", "1", timeout=60)
+        assert preempted.returncode == 0, preempted.stderr
+        assert proc.wait(timeout=150) == 0, log.read_text()[-3000:]
+    finally:
+        stop_tree(proc.pid)
+    return run_dir

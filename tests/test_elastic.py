@@ -15,7 +15,7 @@ from orchestrator.checkpoint import CheckpointManager
 from orchestrator.preemption.notices import Notice
 from orchestrator.rundir import EVENTS_FILE, METRICS_FILE, read_jsonl
 from orchestrator.runtime.distributed import DistContext
-from orchproc import run_orch, start_orch, stop_tree, summary, wait_for
+from orchproc import launch_and_preempt, run_orch, summary
 
 SOLO = DistContext(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, restart_count=0)
 TRAINER_KEYS = {"t", "step", "loss", "lr", "world_size", "samples_per_s", "step_time_s", "last_step_time_s",
@@ -233,22 +233,7 @@ EXAMPLE_STEPS = 1200
 def test_the_example_survives_a_preemption_with_zero_lost_steps(tmp_path):
     """examples/elastic_train.py on two simulated nodes: `orch chaos preempt` of node 1 mid-run gives an
     emergency checkpoint, a resume from it, and every step trained exactly once."""
-    run_dir = tmp_path / "run"
-    log = tmp_path / "orch.log"
-    proc = start_orch("launch", "conf=cpu_elastic", "launcher=local", "cluster.nnodes=2",
-                      "entrypoint.script=examples/elastic_train.py", f"trainer.max_steps={EXAMPLE_STEPS}",
-                      "trainer.log_every=1", "checkpoint.every_n_steps=100", f"run.dir={run_dir}", log=log)
-    try:
-        def training() -> bool:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            return any(m["step"] >= 30 for m in read_jsonl(run_dir / METRICS_FILE))
-
-        wait_for(training, 120, "training")
-        preempted = run_orch("chaos", "preempt", str(run_dir), "--node", "1", timeout=60)
-        assert preempted.returncode == 0, preempted.stderr
-        assert proc.wait(timeout=150) == 0, log.read_text()[-3000:]
-    finally:
-        stop_tree(proc.pid)
+    run_dir = launch_and_preempt(tmp_path, "examples/elastic_train.py", EXAMPLE_STEPS, 100, preempt_at_step=30)
     s = summary(run_dir)
     assert s["status"] == "succeeded" and s["steps_completed"] == EXAMPLE_STEPS
     assert s["goodput"] and s["goodput"]["lost_steps"] == 0, s["goodput"]

@@ -19,7 +19,7 @@ import orchestrator.elastic as elastic  # noqa: E402
 from orchestrator.integrations import hf  # noqa: E402
 from orchestrator.preemption.notices import Notice  # noqa: E402
 from orchestrator.rundir import EVENTS_FILE, METRICS_FILE, read_jsonl  # noqa: E402
-from orchproc import REPO, run_orch, start_orch, stop_tree, summary, wait_for  # noqa: E402
+from orchproc import REPO, launch_and_preempt, summary  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -192,22 +192,7 @@ HF_STEPS = 200
 def test_the_hf_example_survives_a_preemption_with_every_step_once(tmp_path):
     """examples/hf_trainer.py on two simulated nodes, `orch chaos preempt` of node 1 mid-run: an emergency HF
     checkpoint, a resume from it, and HF's global_step ends at max_steps with no step trained twice."""
-    run_dir = tmp_path / "run"
-    log = tmp_path / "orch.log"
-    proc = start_orch("launch", "conf=cpu_elastic", "launcher=local", "cluster.nnodes=2",
-                      "entrypoint.script=examples/hf_trainer.py", f"trainer.max_steps={HF_STEPS}",
-                      "trainer.log_every=1", "checkpoint.every_n_steps=50", f"run.dir={run_dir}", log=log)
-    try:
-        def training() -> bool:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            return any(m["step"] >= 15 for m in read_jsonl(run_dir / METRICS_FILE))
-
-        wait_for(training, 150, "training")
-        preempted = run_orch("chaos", "preempt", str(run_dir), "--node", "1", timeout=60)
-        assert preempted.returncode == 0, preempted.stderr
-        assert proc.wait(timeout=150) == 0, log.read_text()[-3000:]
-    finally:
-        stop_tree(proc.pid)
+    run_dir = launch_and_preempt(tmp_path, "examples/hf_trainer.py", HF_STEPS, 50, preempt_at_step=15)
     s = summary(run_dir)
     assert s["status"] == "succeeded" and s["steps_completed"] == HF_STEPS
     assert s["goodput"] and s["goodput"]["lost_steps"] == 0, s["goodput"]
