@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 
 import pytest
@@ -53,3 +54,15 @@ def s3_bucket(s3_env):
     name = f"orch-test-{uuid.uuid4().hex[:12]}"
     s3fs.S3FileSystem().mkdir(name)
     yield name
+
+
+@pytest.fixture
+def outside_torchrun(monkeypatch):
+    """A plain process: no torchrun or orch variables, and the SIGTERM handler a session's watcher installs is
+    put back afterwards."""
+    for var in ("ORCH_RUN_DIR", "ORCH_NODE", "ORCH_SIGTERM_NOTICE", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    handler = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, handler)

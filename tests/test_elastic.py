@@ -3,7 +3,6 @@ private gloo one), and one real launch of examples/elastic_train.py preempted mi
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import pytest
@@ -23,15 +22,8 @@ TRAINER_KEYS = {"t", "step", "loss", "lr", "world_size", "samples_per_s", "step_
 
 
 @pytest.fixture(autouse=True)
-def outside_torchrun(monkeypatch):
-    """A plain process: no torchrun or orch variables, and the SIGTERM handler a session's watcher installs is
-    put back afterwards."""
-    for var in ("ORCH_RUN_DIR", "ORCH_NODE", "ORCH_SIGTERM_NOTICE", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
-                "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE"):
-        monkeypatch.delenv(var, raising=False)
-    handler = signal.getsignal(signal.SIGTERM)
-    yield
-    signal.signal(signal.SIGTERM, handler)
+def _plain_process(outside_torchrun):
+    """Every test here runs as a plain process (tests/conftest.py: outside_torchrun)."""
 
 
 def build(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -23,14 +23,8 @@ from orchproc import REPO, launch_and_preempt, summary  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def outside_torchrun(monkeypatch):
-    """A plain process (no torchrun or orch variables); the SIGTERM handler the watcher installs is put back."""
-    for var in ("ORCH_RUN_DIR", "ORCH_NODE", "ORCH_SIGTERM_NOTICE", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
-                "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE"):
-        monkeypatch.delenv(var, raising=False)
-    handler = signal.getsignal(signal.SIGTERM)
-    yield
-    signal.signal(signal.SIGTERM, handler)
+def _plain_process(outside_torchrun):
+    """Every test here runs as a plain process (tests/conftest.py: outside_torchrun)."""
 
 
 def run_config(run_dir: Path, *overrides: str):
