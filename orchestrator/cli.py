@@ -12,8 +12,10 @@ import os
 import sys
 from typing import Callable, Optional
 
+from orchestrator import __version__
 from orchestrator.config.compose import split_preset
 from orchestrator.errors import OrchError
+from orchestrator.lifecycle.cli import LAUNCH_FLAGS, add_launch_options, add_lifecycle_parsers
 from orchestrator.report.summary import format_summary
 
 
@@ -30,13 +32,11 @@ def _launch_epilog() -> str:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    import orchestrator
+    from orchestrator.lifecycle.cli import run_launch
 
     preset, overrides = split_preset(args.overrides)
-    result = orchestrator.launch(preset, overrides, echo=sys.stdout, dry_run=args.dry_run)
-    if not args.dry_run:
-        print(format_summary(result.summary, result.run_dir))
-    return 0
+    return run_launch(preset, overrides, detach=args.detach, dry_run=args.dry_run, multirun=args.multirun,
+                      cfg=args.cfg)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -88,14 +88,14 @@ def cmd_bench_ckpt(args: argparse.Namespace) -> int:
 def cmd_bench_recovery(args: argparse.Namespace) -> int:
     from orchestrator.bench.recovery import main_recovery_bench
 
-    main_recovery_bench(out=args.out, kill_at_step=args.kill_at_step)
+    main_recovery_bench(out=args.out, kill_at_step=args.kill_at_step, mode=args.mode)
     return 0
 
 
 def cmd_bench_goodput(args: argparse.Namespace) -> int:
     from orchestrator.bench.goodput import main_goodput_bench
 
-    main_goodput_bench(out=args.out, every_s=args.every, max_steps=args.max_steps)
+    main_goodput_bench(out=args.out, every_s=args.every, max_steps=args.max_steps, mode=args.mode)
     return 0
 
 
@@ -104,6 +104,13 @@ def cmd_bench_scaling(args: argparse.Namespace) -> int:
 
     main_scaling_bench(args.overrides, out=args.out, run_root=args.run_root, warmup_steps=args.warmup_steps,
                        repeats=args.repeats)
+    return 0
+
+
+def cmd_bench_ckpt_interval(args: argparse.Namespace) -> int:
+    from orchestrator.bench.ckpt_interval import main_ckpt_interval_bench
+
+    main_ckpt_interval_bench(out=args.out, seeds=args.seeds)
     return 0
 
 
@@ -154,15 +161,17 @@ def build_parser() -> argparse.ArgumentParser:
         prog="orch", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Elastic distributed training for PyTorch: Hydra configs -> torchrun agents -> checkpoints.",
         epilog=_launch_epilog())
+    parser.add_argument("--version", action="version", version=f"orch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("launch", help="compose a preset with overrides and run it (or --dry-run)",
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_launch_epilog(),
-                       usage="orch launch conf=NAME [key=value ...] [--dry-run]")
+                       usage="orch launch conf=NAME [key=value ...] [--dry-run] [--detach] [-m] [--cfg job]")
     p.add_argument("overrides", nargs="*", metavar="conf=NAME | key=value",
                    help="the preset, then Hydra overrides (key=value, +key=value, ~key)")
-    p.add_argument("--dry-run", action="store_true", help="print the launch plan and start nothing")
+    add_launch_options(p)
     p.set_defaults(func=cmd_launch)
+    add_lifecycle_parsers(sub)
 
     p = sub.add_parser("report", help="report.md, report.json and PNG plots of a run dir (or a bench scaling dir)")
     p.add_argument("run_dir", help="a run dir (or the directory `orch bench scaling` wrote)")
@@ -225,25 +234,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the result as JSON to this file")
     p.add_argument("--every", type=float, default=60.0, help="seconds between preemptions (default 60)")
     p.add_argument("--max-steps", type=int, default=6000, help="training steps of each run (default 6000)")
+    p.add_argument("--mode", choices=("restart", "per_step"), default="restart",
+                   help="per_step: both fault-tolerance modes in one run; the JSON has one object per mode under "
+                        "'restart' and 'per_step'")
     p.set_defaults(func=cmd_bench_goodput)
     p = bench.add_parser("recovery", help="time to recover from a lost node: bare torchrun vs orch, same job and kill")
     p.add_argument("--out", help="write {orch_mttr_s, torchrun_mttr_s, ratio} as JSON to this file")
     p.add_argument("--kill-at-step", type=int, default=10, help="kill node 1 once this step completed (default 10)")
+    p.add_argument("--mode", choices=("restart", "per_step"), default="restart",
+                   help="per_step: 1 of 3 nodes, bare torchrun vs orch restart vs orch per_step in one run; the JSON "
+                        "has one object per mode under 'restart' and 'per_step'")
     p.set_defaults(func=cmd_bench_recovery)
 
+    p = bench.add_parser("ckpt-interval", help="simulated goodput of every_n_steps=auto vs the best fixed interval, "
+                                                "failure intervals from 30 s to 24 h")
+    p.add_argument("--out", help="write {rows: [{mtbf_s, best_fixed_interval, best_fixed_goodput, auto_goodput}]} as JSON")
+    p.add_argument("--seeds", type=int, default=4, help="seeds per failure interval (default 4)")
+    p.set_defaults(func=cmd_bench_ckpt_interval)
+
+    from orchestrator.simulate.cli import add_simulate_parsers
     from orchestrator.testcluster.cli import add_testcluster_parser
 
+    add_simulate_parsers(sub)
     add_testcluster_parser(sub)
 
     k8s = sub.add_parser("k8s", help="Kubernetes manifests from the same config as launch").add_subparsers(
         dest="k8s_command", required=True)
     p = k8s.add_parser("render", help="render a preset with overrides as Kubernetes objects (YAML)",
-                       usage="orch k8s render conf=NAME [key=value ...] [--format job|pytorchjob|rayjob] [-o DIR]",
-                       description="job: plain Kubernetes (store Deployment + Indexed Job); pytorchjob: Kubeflow "
-                                   "PyTorchJob; rayjob: KubeRay RayJob. See docs/kubernetes.md.")
+                       usage="orch k8s render conf=NAME [key=value ...] [--format job|jobset|trainjob|pytorchjob|rayjob] "
+                             "[-o DIR]",
+                       description="job: plain Kubernetes (store Deployment + Indexed Job); jobset: a JobSet with the "
+                                   "store as a replicated job; trainjob: Kubeflow Trainer v2 TrainJob + its "
+                                   "ClusterTrainingRuntime; pytorchjob: Kubeflow PyTorchJob; rayjob: KubeRay RayJob. "
+                                   "See docs/kubernetes.md.")
     p.add_argument("overrides", nargs="*", metavar="conf=NAME | key=value",
                    help="the preset, then Hydra overrides, as for orch launch (k8s.* shape the manifests)")
-    p.add_argument("--format", default="job", help="job (default), pytorchjob or rayjob")
+    p.add_argument("--format", default="job", help="job (default), jobset, trainjob, pytorchjob or rayjob")
     p.add_argument("-o", "--output", metavar="DIR", help="write DIR/<format>.yaml instead of printing")
     p.set_defaults(func=cmd_k8s_render)
 
@@ -271,13 +297,16 @@ def options_last(argv: list[str], flags: tuple[str, ...]) -> list[str]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["launch"]:  # `--dry-run` may stand anywhere among the overrides
-        argv = [a for a in argv if a != "--dry-run"] + [a for a in argv if a == "--dry-run"]
+    if argv[:1] == ["launch"]:  # `--dry-run`, `--detach`, `-m`, `--cfg job` may stand anywhere among the overrides
+        argv = options_last([a for a in argv if a not in LAUNCH_FLAGS] + [a for a in argv if a in LAUNCH_FLAGS],
+                            ("--cfg",))
+    if argv[:1] == ["resume"]:
+        argv = [a for a in argv if a != "--detach"] + [a for a in argv if a == "--detach"]
     if argv[:2] == ["k8s", "render"]:  # options may stand anywhere among the overrides, too
         argv = options_last(argv, ("--format", "-o", "--output"))
     args = build_parser().parse_args(argv)
     code = _run(args)
-    ray_launcher = sys.modules.get("launchers.ray")
+    ray_launcher = sys.modules.get("orchestrator.launchers.ray")
     if ray_launcher is not None and ray_launcher.ABANDONED:
         # Ray's core worker cannot be torn down once its head's address vanished (a test cluster taken down
         # under the run): its exit hooks crash. Everything orch owed is written; leave with the run's code.

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from orchestrator.config.schema import OrchConfig
 from orchestrator.errors import Interrupted, OrchError, Preempted, RunFailed
+from orchestrator.lifecycle.record import record_launch
 from orchestrator.plan.plan import CONFIG_FILE, LaunchPlan, build_plan
 from orchestrator.plan.resources import check_local_resources
 from orchestrator.report.progress import RunProgress
@@ -94,16 +95,29 @@ def compose_for_launch(preset: str, overrides: Sequence[str] = ()) -> OrchConfig
     return to_validated(composed)
 
 
+def check_launchable(preset: str, overrides: Sequence[str]) -> tuple[OrchConfig, str]:
+    """Every check a launch makes before it writes anything (config, this machine, the checkpoint URL), for a
+    launch that runs elsewhere (detached, a Ray job); returns the config (run dir final) and a new run id."""
+    cfg = compose_for_launch(preset, overrides)
+    result = launch_config(cfg, dry_run=True)
+    check_local_resources(result.plan, cfg.cluster)
+    preflight_checkpoints(cfg)
+    return cfg, result.run_id
+
+
 def launch_preset(preset: str, overrides: Sequence[str] = (), *, echo: Optional[TextIO] = None,
                   dry_run: bool = False) -> LaunchResult:
     """``orchestrator.launch``: compose ``preset`` with ``overrides`` and run it (see :func:`launch_config`)."""
-    return launch_config(compose_for_launch(preset, overrides), dry_run=dry_run, echo=echo)
+    return launch_config(compose_for_launch(preset, overrides), dry_run=dry_run, echo=echo, overrides=overrides)
 
 
-def launch_config(cfg: OrchConfig, *, dry_run: bool = False, echo: Optional[TextIO] = None) -> LaunchResult:
+def launch_config(cfg: OrchConfig, *, dry_run: bool = False, echo: Optional[TextIO] = None,
+                  overrides: Optional[Sequence[str]] = None) -> LaunchResult:
     """Run ``cfg``, or only plan it when ``dry_run``. ``echo``: where node output, live progress and a dry
-    run's plan go; None: nowhere (the run dir has everything). Returns the LaunchResult of a run that
-    succeeded; raises UserError (exit 2, nothing written), RunFailed, Preempted or Interrupted otherwise."""
+    run's plan go; None: nowhere (the run dir has everything). ``overrides``: the command line ``cfg`` was
+    composed from, recorded in ``launch.json`` for ``orch resume`` (None: unknown). Returns the LaunchResult of
+    a run that succeeded or was stopped (``orch stop``); raises UserError (exit 2, nothing written), RunFailed,
+    Preempted or Interrupted otherwise."""
     cfg.run.dir = resolve_run_dir(cfg)
     run_id = new_run_id(cfg)
     plan = build_plan(cfg, cfg.run.dir, run_id, testcluster=state_for_launch(cfg.cluster.testcluster, cfg.cluster.max_nodes))
@@ -118,11 +132,12 @@ def launch_config(cfg: OrchConfig, *, dry_run: bool = False, echo: Optional[Text
     echo = progress.echo if progress else echo
     launcher = _launcher(cfg, run_id, echo)  # the Ray launcher connects here: unreachable exits 2, no run dir
     write_config(cfg, cfg.run.dir)
+    record_launch(cfg.run.dir, run_id, cfg.preset, overrides)
     with progress or contextlib.nullcontext():
         status = launcher.run()
     summary = write_summary(cfg.run.dir)
     result = LaunchResult(status, cfg.run.dir, run_id, summary, plan)
-    if status == "succeeded":
+    if status in ("succeeded", "stopped"):
         return result
     if status == "preempted":
         error: OrchError = Preempted(f"run preempted: every node saved an emergency checkpoint and left; launch the "
@@ -153,10 +168,10 @@ def launch(cfg: OrchConfig, dry_run: bool = False, echo: Optional[TextIO] | str 
 
 
 def _launcher(cfg: OrchConfig, run_id: str, echo: Optional[TextIO]):
-    from launchers.local import LocalLauncher
+    from orchestrator.launchers.local import LocalLauncher
 
     if cfg.launcher == "local":
         return LocalLauncher(cfg, cfg.run.dir, run_id, echo=echo)
-    from launchers.ray import RayLauncher  # imported lazily: Ray takes seconds to import
+    from orchestrator.launchers.ray import RayLauncher  # imported lazily: Ray takes seconds to import
 
     return RayLauncher(cfg, cfg.run.dir, run_id, echo=echo)

@@ -22,6 +22,8 @@ SUMMARY_FILE = "summary.json"  # the outcome, derived from the two files above
 NODES_FILE = "nodes.json"  # {"<node>": <torchrun agent pid>} of the live agents, read by `orch chaos`
 LOGS_DIR = "logs"  # logs/node<N>.log per node agent, logs/torchrun/ per rank
 NOTICES_DIR = "notices"  # notices/node<N>-<agent pid>.json: preemption notices to one agent's workers
+LAUNCH_FILE = "launch.json"  # who launched the run, how, with which preset and overrides (orch resume reads it)
+ORCH_LOG = "orch.log"  # a detached launch's own output (what `orch launch` prints in the foreground)
 SAMPLES_DIR = "samples"  # samples/rank<R>.jsonl: sample ids per step (trainer.record_samples)
 
 
@@ -33,6 +35,7 @@ class EventName(StrEnum):
     CONTROLLER_STATE = "controller_state"
     RUN_FINISHED = "run_finished"
     INTERRUPTED = "interrupted"
+    STOP_REQUESTED = "stop_requested"  # `orch stop`: the nodes get a notice, save and leave; status `stopped`
     PREEMPTION_NOTICE_FORWARDED = "preemption_notice_forwarded"
     RESTART = "restart"
     RUN_STOPPED_DETERMINISTIC = "deterministic_failure"
@@ -58,6 +61,11 @@ class EventName(StrEnum):
     # workers
     WORKER_STARTED = "worker_started"
     FIRST_STEP = "first_step"
+    # fault_tolerance.mode=per_step (orchestrator/ft/)
+    QUORUM_CHANGED = "quorum_changed"  # the leader, at the first committed step of a new set of replica groups
+    REPLICA_HEALED = "replica_healed"  # a group loaded a live peer's state (which one, at which step)
+    STEP_DISCARDED = "step_discarded"  # a step that did not commit everywhere: redone with the same samples
+    REPLICA_LEFT = "replica_left"  # a noticed group left at a step boundary, its peers holding the state
     TRAINING_FINISHED = "training_finished"
     WORKER_FAILED = "worker_failed"
     PREEMPTION_NOTICE = "preemption_notice"
@@ -69,6 +77,7 @@ class EventName(StrEnum):
     CHECKPOINT_FAILED = "checkpoint_failed"
     CHECKPOINT_RETENTION_FAILED = "checkpoint_retention_failed"
     CHECKPOINT_CONFIG_CHANGED = "checkpoint_config_changed"
+    CHECKPOINT_INTERVAL = "checkpoint_interval"  # every_n_steps=auto set a new interval (orchestrator/checkpoint/interval.py)
     # fault injection
     CHAOS_KILL = "chaos_kill"
     CHAOS_PREEMPT = "chaos_preempt"

@@ -61,6 +61,24 @@ def summary(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def preempt_midrun(tmp_path: Path, args: list[str], deliver: Callable[[Path], Any], min_step: int = 15) -> Path:
+    """``orch launch ARGS`` into ``tmp_path/run``; once a metrics record reaches ``min_step``, ``deliver(run_dir)``
+    (a notice, a kill); wait for the launch to succeed; returns the run dir."""
+    run_dir = tmp_path / "run"
+    proc = start_orch("launch", *args, f"run.dir={run_dir}", log=tmp_path / "orch.log")
+    try:
+        def training() -> bool:
+            assert proc.poll() is None, (tmp_path / "orch.log").read_text()[-3000:]
+            return any(m["step"] >= min_step for m in read_jsonl(run_dir / "metrics.jsonl"))
+
+        wait_for(training, 120, "training")
+        deliver(run_dir)
+        assert proc.wait(timeout=200) == 0, (tmp_path / "orch.log").read_text()[-3000:]
+    finally:
+        stop_tree(proc.pid)
+    return run_dir
+
+
 def launch_and_preempt(tmp_path: Path, script: str, max_steps: int, every_n_steps: int, preempt_at_step: int,
                        start_timeout_s: float = 150) -> Path:
     """``orch launch`` a user ``script`` on two simulated nodes, ``orch chaos preempt`` node 1 once a metrics

@@ -307,7 +307,7 @@ def test_forwarded_secrets_reach_the_agents_but_never_the_run_dir(tmp_path, monk
 
 
 def test_joining_a_ray_cluster_ships_the_working_directory(tmp_path):
-    from launchers.ray import shipped_runtime_env
+    from orchestrator.launchers.ray import shipped_runtime_env
 
     cwd = str(tmp_path)
     assert shipped_runtime_env(compose_config("cpu_gloo"), cwd) is None  # embedded Ray: this machine

@@ -9,11 +9,12 @@ import shlex
 from functools import lru_cache
 from pathlib import Path
 
-import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
+from k8s_validation import (CORE_API_VERSIONS, CRD_FILES, SCHEMAS, crd_errors, load_yaml, pod_templates, validate_all,
+                            validate_core)
 from orchestrator.cli import main as orch_main
 from orchestrator.config.compose import compose_config
 from orchestrator.k8s import FORMATS, render
@@ -22,22 +23,18 @@ pytestmark = pytest.mark.timeout(120)
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy" / "k8s"
-# Outside the repository, next to it (CI has it at the same relative place): see its README.
-SCHEMAS = Path(__file__).resolve().parents[2] / "shared" / "k8s-schemas"
-CRD_FILES = {"PyTorchJob": "kubeflow.org_pytorchjobs.yaml", "RayJob": "ray.io_rayjobs.yaml",
-             "RayCluster": "ray.io_rayclusters.yaml"}
-# podFailurePolicy with a DisruptionTarget rule is GA from 1.31; kubernetes-validate ships schemas up to 1.37.
-K8S_VERSIONS = ("1.31", "1.37")
-CORE_API_VERSIONS = ("v1", "apps/v1", "batch/v1")
-PRESETS = {"cpu_gloo": ["checkpoint.url=s3://bucket/cpu_gloo"], "bert8gpu": ["checkpoint.url=s3://bucket/bert8gpu"]}
+PRESETS = {"cpu_gloo": ["checkpoint.url=s3://bucket/cpu_gloo", "run.id=t1"],
+           "bert8gpu": ["checkpoint.url=s3://bucket/bert8gpu", "run.id=t1"]}
 SPOT = ["++k8s.spot_node_selector={cloud.google.com/gke-spot:true}",
         "k8s.spot_tolerations=[{key:cloud.google.com/gke-spot,operator:Equal,value:true,effect:NoSchedule}]"]
 CASES = [(preset, fmt) for preset in PRESETS for fmt in FORMATS]
+CUSTOM_KINDS = {"job": [], "jobset": ["JobSet"], "trainjob": ["ClusterTrainingRuntime", "TrainJob"],
+                "pytorchjob": ["PyTorchJob"], "rayjob": ["RayJob"]}
 
 
 @lru_cache(maxsize=None)
 def rendered(preset: str, fmt: str, extra: tuple[str, ...] = ()):
-    return render(preset, [*PRESETS.get(preset, ["checkpoint.url=s3://bucket/x"]), *extra], fmt)
+    return render(preset, [*PRESETS.get(preset, ["checkpoint.url=s3://bucket/x", "run.id=t1"]), *extra], fmt)
 
 
 def objects(preset: str, fmt: str, extra: tuple[str, ...] = ()) -> list[dict]:
@@ -50,78 +47,35 @@ def one(objs: list[dict], kind: str, component: str = "") -> dict:
     return found[0]
 
 
-def strict(schema):
-    """The CRD schema as the API server applies it with field validation Strict: unknown fields are errors
-    (a CRD schema only lists the known ones; pruning would drop a misspelt field silently)."""
-    if isinstance(schema, list):
-        return [strict(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    schema = {k: strict(v) for k, v in schema.items()}
-    if (schema.get("type") == "object" and "properties" in schema and "additionalProperties" not in schema
-            and not schema.get("x-kubernetes-preserve-unknown-fields")):
-        schema["additionalProperties"] = False
-    return schema
-
-
-@lru_cache(maxsize=None)
-def crd_validator(kind: str, version: str = "v1") -> jsonschema.Draft7Validator:
-    path = SCHEMAS / CRD_FILES[kind]
-    assert path.exists(), f"{path} is missing: the vendored CRD schemas live in ../shared/k8s-schemas (see its README)"
-    crd = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # 1.4 MB: libyaml
-    schema = next(v for v in crd["spec"]["versions"] if v["name"] == version)["schema"]["openAPIV3Schema"]
-    return jsonschema.Draft7Validator(strict(schema))
-
-
-def crd_errors(kind: str, obj: dict) -> list[str]:
-    return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in crd_validator(kind).iter_errors(obj)]
-
-
-def pod_templates(obj: dict) -> list[dict]:
-    """The pod templates inside a custom resource, to validate them as core PodTemplates too."""
-    if obj["kind"] == "PyTorchJob":
-        return [r["template"] for r in obj["spec"]["pytorchReplicaSpecs"].values()]
-    if obj["kind"] == "RayJob":
-        cluster = obj["spec"]["rayClusterSpec"]
-        return [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]
-    return []
-
-
-def validate_core(obj: dict) -> None:
-    for version in K8S_VERSIONS:
-        kubernetes_validate.validate(obj, version, strict=True)
+def test_schemas_are_read_from_the_repository_only():
+    """A clone with no ../shared beside it must validate too: the schemas live inside the checkout."""
+    assert SCHEMAS.is_relative_to(REPO) and (SCHEMAS / "README.md").exists()
+    assert set(CRD_FILES) == {"JobSet", "TrainJob", "ClusterTrainingRuntime", "PyTorchJob", "RayJob", "RayCluster"}
+    for name in CRD_FILES.values():
+        assert "\nkind: CustomResourceDefinition\n" in (SCHEMAS / name).read_text()[:2000], name
 
 
 @pytest.mark.parametrize("preset, fmt", CASES)
-def test_core_objects_validate_against_kubernetes_schemas(preset, fmt):
-    for obj in objects(preset, fmt):
-        if obj["apiVersion"] in CORE_API_VERSIONS:
-            validate_core(obj)
-        for template in pod_templates(obj):
-            validate_core({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template})
+def test_every_format_validates_offline(preset, fmt):
+    """Core kinds (and the Jobs and pod templates inside custom resources) against Kubernetes' schemas; JobSet,
+    TrainJob, ClusterTrainingRuntime, PyTorchJob, RayJob (and its inline RayCluster) against their CRDs."""
+    objs = objects(preset, fmt)
+    assert [o["kind"] for o in objs if o["apiVersion"] not in CORE_API_VERSIONS] == CUSTOM_KINDS[fmt]
+    validate_all(objs)
 
 
-@pytest.mark.parametrize("preset, fmt", [c for c in CASES if c[1] != "job"])
-def test_custom_resources_validate_against_their_crds(preset, fmt):
-    custom = [o for o in objects(preset, fmt) if o["apiVersion"] not in CORE_API_VERSIONS]
-    assert [o["kind"] for o in custom] == [{"pytorchjob": "PyTorchJob", "rayjob": "RayJob"}[fmt]]
-    obj = custom[0]
-    assert crd_errors(obj["kind"], obj) == []
-    if obj["kind"] == "RayJob":  # the inline cluster must also be a valid RayCluster
-        cluster = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": "c"},
-                   "spec": obj["spec"]["rayClusterSpec"]}
-        assert crd_errors("RayCluster", cluster) == []
+def test_the_upstream_example_runtime_validates_against_the_vendored_crd():
+    """The CRD schema accepts what upstream ships: the validator itself is set up right."""
+    example = load_yaml(SCHEMAS / "example-clustertrainingruntime-torch-distributed.yaml")
+    assert crd_errors("ClusterTrainingRuntime", example) == []
 
 
 def test_bert8gpu_pytorchjob_from_the_cli_validates(capsys):
     assert orch_main(["k8s", "render", "conf=bert8gpu", "--format", "pytorchjob"]) == 0
     out, err = capsys.readouterr()
     docs = [d for d in yaml.safe_load_all(out) if d]
-    job = one(docs, "PyTorchJob")
-    assert crd_errors("PyTorchJob", job) == []
-    for obj in docs:
-        if obj["apiVersion"] in CORE_API_VERSIONS:
-            validate_core(obj)
+    assert one(docs, "PyTorchJob")
+    validate_all(docs)
     assert "orch: warning: checkpoint.url=None is on the pod's own disk" in err  # one pod: allowed, but said
 
 
@@ -139,6 +93,18 @@ def test_the_validators_reject_what_a_cluster_would():
     rayjob = one(objects("cpu_gloo", "rayjob"), "RayJob")
     del rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["groupName"]
     assert any("groupName" in e for e in crd_errors("RayJob", rayjob))
+    jobset = one(objects("cpu_gloo", "jobset"), "JobSet")
+    jobset["spec"]["failurePolicy"]["rules"][0]["action"] = "Retry"
+    jobset["spec"]["replicatedJobs"][1]["template"]["spec"]["template"]["spec"]["containers"][0]["imag"] = "x"
+    errors = crd_errors("JobSet", jobset)
+    assert any("action" in e for e in errors) and any("imag" in e for e in errors), errors
+    trainjob = one(objects("cpu_gloo", "trainjob"), "TrainJob")
+    del trainjob["spec"]["runtimeRef"]["name"]
+    assert any("name" in e for e in crd_errors("TrainJob", trainjob))
+    runtime = one(objects("cpu_gloo", "trainjob"), "ClusterTrainingRuntime")
+    runtime["spec"]["template"]["spec"]["replicatedJobs"][1]["template"]["spec"]["completionMode"] = 3
+    with pytest.raises(kubernetes_validate.ValidationError):  # a Job inside a custom resource is a core Job too
+        validate_all([runtime])
 
 
 def render_script_commands() -> list[list[str]]:
@@ -174,9 +140,9 @@ def test_kustomization_lists_rendered_manifests_only():
 
 
 def test_rendering_is_deterministic():
-    first = render("cpu_gloo", ["checkpoint.url=s3://b/x", *SPOT], "job").text()
-    assert render("cpu_gloo", ["checkpoint.url=s3://b/x", *SPOT], "job").text() == first
-    assert first.startswith("# Rendered by `orch k8s render conf=cpu_gloo checkpoint.url=s3://b/x ")
+    first = render("cpu_gloo", ["checkpoint.url=s3://b/x", "run.id=r1", *SPOT], "job").text()
+    assert render("cpu_gloo", ["checkpoint.url=s3://b/x", "run.id=r1", *SPOT], "job").text() == first
+    assert first.startswith("# Rendered by `orch k8s render conf=cpu_gloo checkpoint.url=s3://b/x run.id=r1 ")
 
 
 def test_job_runs_one_pod_per_node_against_the_store_and_ignores_preemption_exits():
@@ -197,7 +163,7 @@ def test_job_runs_one_pod_per_node_against_the_store_and_ignores_preemption_exit
     assert args[:2] == ["launch", "conf=cpu_elastic"] and "trainer.max_steps=7" in args
     assert {"launcher=local", "cluster.node_index=$(JOB_COMPLETION_INDEX)", "rendezvous.external=true",
             f"rendezvous.host={store_service['metadata']['name']}", "rendezvous.port=31234",
-            "run.id=orch-cpu-elastic"} <= set(args)
+            "run.id=t1"} <= set(args)
     keys = [a.split("=", 1)[0] for a in args]
     assert not any(k.startswith("k8s.") for k in keys) and keys.count("rendezvous.port") == 1
 
@@ -208,7 +174,7 @@ def test_the_rendered_pod_command_is_a_valid_launch():
     args = [a.replace("$(JOB_COMPLETION_INDEX)", "1") for a in job["spec"]["template"]["spec"]["containers"][0]["args"]]
     cfg = compose_config(args[1][len("conf="):], args[2:])
     assert cfg.cluster.node_index == 1 and cfg.rendezvous.external and cfg.launcher == "local"
-    assert (cfg.rendezvous.host, cfg.rendezvous.port, cfg.run.id) == ("orch-cpu-gloo-rdzv", 29400, "orch-cpu-gloo")
+    assert (cfg.rendezvous.host, cfg.rendezvous.port, cfg.run.id) == ("orch-t1-rdzv", 29400, "t1")
     assert cfg.checkpoint.url == "s3://bucket/cpu_gloo"
 
 
@@ -217,12 +183,13 @@ def test_every_training_pod_gets_image_resources_secret_shm_grace_and_spot_place
              *SPOT)
     for fmt in FORMATS:
         objs = objects("bert8gpu", fmt, extra)
-        training = [t for o in objs for t in (pod_templates(o) or [o["spec"].get("template")]) if o["kind"] != "Service"]
+        training = [t for o in objs for t in pod_templates(o)]
+        assert training, fmt
         for template in training:
             component = template["metadata"]["labels"]["app.kubernetes.io/component"]
             spec, container = template["spec"], template["spec"]["containers"][0]
             assert container["image"] == "registry.example/orch:1", (fmt, component)
-            assert template["metadata"]["labels"]["app.kubernetes.io/instance"] == "orch-bert8gpu"
+            assert template["metadata"]["labels"]["app.kubernetes.io/instance"] == "orch-t1"
             if component == "rendezvous-store":  # never on spot nodes: losing it would end the job
                 assert "nodeSelector" not in spec and "tolerations" not in spec
                 continue
@@ -247,7 +214,7 @@ def test_pytorchjob_elastic_policy_comes_from_cluster_settings():
     job = one(objs, "PyTorchJob")
     policy = job["spec"]["elasticPolicy"]
     assert (policy["minReplicas"], policy["maxReplicas"], policy["maxRestarts"]) == (1, 3, 10)
-    assert (policy["rdzvBackend"], policy["rdzvHost"], policy["rdzvPort"]) == ("c10d", "orch-cpu-elastic-rdzv", 29400)
+    assert (policy["rdzvBackend"], policy["rdzvHost"], policy["rdzvPort"]) == ("c10d", "orch-t1-rdzv", 29400)
     assert {"key": "is_host", "value": "false"} in policy["rdzvConf"]
     assert {"key": "join_timeout", "value": "77"} in policy["rdzvConf"]
     worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
@@ -261,7 +228,7 @@ def test_rayjob_runs_orch_launch_on_the_head_with_workers_sized_from_the_config(
     job = one(objects("cpu_elastic", "rayjob", ("trainer.max_steps=9",)), "RayJob")
     entry = shlex.split(job["spec"]["entrypoint"])
     assert entry[:3] == ["orch", "launch", "conf=cpu_elastic"] and "cluster.address=auto" in entry
-    assert {"launcher=ray", "trainer.max_steps=9", "run.dir=/runs/orch-cpu-elastic"} <= set(entry)
+    assert {"launcher=ray", "trainer.max_steps=9", "run.dir=/runs/orch-t1"} <= set(entry)
     cluster = job["spec"]["rayClusterSpec"]
     assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
     group = cluster["workerGroupSpecs"][0]
@@ -274,13 +241,16 @@ def test_output_dir_gets_one_file_per_format(tmp_path, capsys):
     # Options may stand among the overrides, as --dry-run may for launch.
     argv = ["k8s", "render", "conf=cpu_gloo", "-o", str(tmp_path), "checkpoint.url=s3://b/c", "--format=rayjob"]
     assert orch_main(argv) == 0
-    assert f"wrote {tmp_path}/rayjob.yaml: RayJob/orch-cpu-gloo" in capsys.readouterr().out
-    assert (tmp_path / "rayjob.yaml").read_text() == render("cpu_gloo", ["checkpoint.url=s3://b/c"], "rayjob").text()
+    written = (tmp_path / "rayjob.yaml").read_text()
+    run_id = written.split("run.id=", 1)[1].split()[0]  # drawn fresh, and named in the header's command
+    assert f"wrote {tmp_path}/rayjob.yaml: RayJob/orch-{run_id}" in capsys.readouterr().out
+    assert run_id.startswith("cpu-gloo-") and len(run_id) == len("cpu-gloo-") + 6
+    assert written == render("cpu_gloo", ["checkpoint.url=s3://b/c", f"run.id={run_id}"], "rayjob").text()
 
 
 @pytest.mark.parametrize("args, words", [
     (["conf=cpu_gloo", "checkpoint.url=s3://b/c", "--format", "helm"],
-     ["--format='helm' is not a known format", "Fix: use one of job, pytorchjob, rayjob"]),
+     ["--format='helm' is not a known format", "Fix: use one of job, jobset, trainjob, pytorchjob, rayjob"]),
     (["conf=bert8gpu", "checkpoint.url=s3://b/c", "k8s.gpu_resource_name=null", "--format", "pytorchjob"],
      ["k8s.gpu_resource_name=None", "8 GPU(s) per pod", "Fix: set k8s.gpu_resource_name=nvidia.com/gpu"]),
     (["conf=cpu_gloo", "--format", "job"],

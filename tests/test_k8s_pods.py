@@ -1,11 +1,13 @@
-"""The rendered ``job`` manifests, run as a kubelet would run their pods, with local processes standing in for
-pods: the store Deployment's pod, then one pod per Job index. Each pod's container command and args run with
+"""The rendered ``job`` and ``jobset`` manifests, run as a kubelet would run their pods, with local processes
+standing in for pods: the store's pod (the Deployment's, or the JobSet's ``rdzv`` job's), then one pod per index
+of the node Job. Each pod's container command and args run with
 that pod's environment (env, envFrom Secrets, downward-API fields, ``$(VAR)`` expansion), in a directory of its
 own (its filesystem). Checkpoints go to S3 (moto's server), which every pod reaches, as in a cluster.
 
-Service DNS: /etc/hosts is not ours to edit, so the emulated kubelet resolves a Service's DNS name where it
-stands as a value (``rendezvous.host=<service>`` in args, or an env value) to 127.0.0.1, the address every
-emulated pod has. Ports are picked free at run time and rendered into the manifests.
+Service DNS: /etc/hosts is not ours to edit, so the emulated kubelet resolves a Service's DNS name (or a JobSet
+pod's hostname) where it stands as a value (``rendezvous.host=<service>`` in args, or an env value) to 127.0.0.1,
+the address every emulated pod has. An emptyDir's mount path standing as an env value (``HOME=/tmp``) becomes
+a directory of the pod's own. Ports are picked free at run time and rendered into the manifests.
 """
 
 from __future__ import annotations
@@ -78,9 +80,13 @@ class Kubelet:
 
     def __init__(self, objects: list[dict[str, Any]], secrets: dict[str, dict[str, str]], root: Path):
         self.secrets, self.root, self.pods = secrets, root, []
-        services = [o["metadata"]["name"] for o in objects if o["kind"] == "Service"]
-        self.dns = {f"{s}{suffix}" for s in services for suffix in ("", f".{NAMESPACE}", f".{NAMESPACE}.svc",
-                                                                     f".{NAMESPACE}.svc.cluster.local")}
+        hosts = [o["metadata"]["name"] for o in objects if o["kind"] == "Service"]
+        for js in (o for o in objects if o["kind"] == "JobSet"):  # <jobset>-<job>-<job index>-<pod index>.<jobset>
+            name = js["metadata"]["name"]
+            hosts += [f"{name}-{rj['name']}-{j}-{p}.{name}" for rj in js["spec"]["replicatedJobs"]
+                      for j in range(rj["replicas"]) for p in range(rj["template"]["spec"]["parallelism"])]
+        self.dns = {f"{h}{suffix}" for h in hosts for suffix in ("", f".{NAMESPACE}", f".{NAMESPACE}.svc",
+                                                                  f".{NAMESPACE}.svc.cluster.local")}
 
     def run(self, template: dict[str, Any], name: str, index: Optional[int] = None) -> Pod:
         labels = dict(template["metadata"].get("labels", {}))
@@ -90,13 +96,17 @@ class Kubelet:
                 "batch.kubernetes.io/job-completion-index"] = str(index)
         meta = {"name": name, "labels": labels, "annotations": annotations}
         (container,) = template["spec"]["containers"]
-        env = self.container_env(container, meta)
+        workdir = self.root / name
+        workdir.mkdir(parents=True)
+        empty_dirs = {v["name"] for v in template["spec"].get("volumes", []) if "emptyDir" in v}
+        mounts = {m["mountPath"]: workdir / m["name"] for m in container.get("volumeMounts", []) if m["name"] in empty_dirs}
+        for path in mounts.values():
+            path.mkdir(exist_ok=True)
+        env = {k: str(mounts.get(v, v)) for k, v in self.container_env(container, meta).items()}
         if index is not None:
             env.setdefault("JOB_COMPLETION_INDEX", str(index))
         argv = [self.resolve(expand(a, env)) for a in [*container.get("command", []), *container.get("args", [])]]
         assert argv[0] == "orch", argv  # the image's orch, here this checkout's
-        workdir = self.root / name
-        workdir.mkdir(parents=True)
         base = {k: v for k, v in orch_env().items() if k not in CREDENTIAL_VARS}  # credentials come from the Secret
         proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *argv[1:]], cwd=workdir,
                                 env={**base, **env}, stdout=(workdir / "pod.log").open("w"),
@@ -158,21 +168,30 @@ def of_kind(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return obj
 
 
+def store_and_node_job(objects: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The store's pod template and the node Job's spec, in either layout."""
+    if any(o["kind"] == "JobSet" for o in objects):
+        store, node = of_kind(objects, "JobSet")["spec"]["replicatedJobs"]
+        return store["template"]["spec"]["template"], node["template"]["spec"]
+    return of_kind(objects, "Deployment")["spec"]["template"], of_kind(objects, "Job")["spec"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_job_pods_train_checkpoint_on_sigterm_and_the_recreated_pod_resumes(tmp_path, s3_env, s3_bucket):
+@pytest.mark.parametrize("fmt", ["job", "jobset"])
+def test_job_pods_train_checkpoint_on_sigterm_and_the_recreated_pod_resumes(tmp_path, s3_env, s3_bucket, fmt):
     port, steps = free_port(), 200
     objects = render("cpu_gloo", [f"checkpoint.url=s3://{s3_bucket}/cpu_gloo", f"rendezvous.port={port}",
                                   f"trainer.max_steps={steps}", "trainer.log_every=20", "checkpoint.every_n_steps=0"],
-                     "job").objects
+                     fmt).objects
     secret = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_ENDPOINT_URL": s3_env,
               "AWS_DEFAULT_REGION": "us-east-1"}
     kubelet = Kubelet(objects, {"orch-checkpoint-credentials": secret}, tmp_path / "pods")
-    deployment, job = of_kind(objects, "Deployment"), of_kind(objects, "Job")
-    template, nodes = job["spec"]["template"], job["spec"]["parallelism"]
+    store_template, job = store_and_node_job(objects)
+    template, nodes = job["template"], job["parallelism"]
     grace = template["spec"]["terminationGracePeriodSeconds"]
     try:
-        store = kubelet.run(deployment["spec"]["template"], "orch-cpu-gloo-rdzv-x1")
+        store = kubelet.run(store_template, "orch-cpu-gloo-rdzv-x1")
         wait_for(lambda: port_open(port) or store.proc.poll() is not None, 60, "the store pod's readiness (tcp)")
         assert store.proc.poll() is None, store.log_tail()
         trainers = {i: kubelet.run(template, f"orch-cpu-gloo-{i}-a0", index=i) for i in range(nodes)}
@@ -210,11 +229,11 @@ def launch_dry_run(capsys, args: list[str]) -> str:
 
 @pytest.mark.timeout(60)
 def test_a_pods_launch_dials_the_external_store_under_the_shared_run_id(capsys):
-    job = of_kind(render("cpu_gloo", ["checkpoint.url=s3://b/c"], "job").objects, "Job")
+    job = of_kind(render("cpu_gloo", ["checkpoint.url=s3://b/c", "run.id=r7"], "job").objects, "Job")
     args = [a.replace("$(JOB_COMPLETION_INDEX)", "1") for a in job["spec"]["template"]["spec"]["containers"][0]["args"]]
     plan = launch_dry_run(capsys, args[1:])
-    assert "run id orch-cpu-gloo)" in plan and "c10d at orch-cpu-gloo-rdzv:29400" in plan
-    assert "--rdzv-id=orch-cpu-gloo" in plan and "--rdzv-endpoint=orch-cpu-gloo-rdzv:29400" in plan
+    assert "run id r7)" in plan and "c10d at orch-r7-rdzv:29400" in plan
+    assert "--rdzv-id=r7" in plan and "--rdzv-endpoint=orch-r7-rdzv:29400" in plan
 
 
 @pytest.mark.timeout(60)

@@ -18,7 +18,7 @@ from orchestrator.preemption.sources import (AWSSpotSource, AzureScheduledEvents
                                              GCPPreemptedSource)
 from orchestrator.preemption.watcher import RESTART_MESSAGE
 from orchestrator.rundir import EVENTS_FILE, METRICS_FILE, NODES_FILE, EventName
-from orchproc import orch_env, read_jsonl, run_orch, start_orch, stop_tree, summary, wait_for
+from orchproc import orch_env, preempt_midrun, read_jsonl, run_orch, summary, wait_for
 
 JOB = ["conf=cpu_elastic", "launcher=local", "cluster.nnodes=2", "trainer.max_steps=160", "trainer.log_every=1",
        "checkpoint.every_n_steps=50"]
@@ -61,22 +61,6 @@ def assert_zero_lost_steps(run_dir, max_steps):
     loaded = [e["step"] for e in events if e["event"] == "checkpoint_loaded"]
     assert emergency and loaded[-len(emergency):] == emergency, "each resume starts at the emergency checkpoint"
     return s, events
-
-
-def preempt_midrun(tmp_path, args, deliver, min_step=15):
-    run_dir = tmp_path / "run"
-    proc = start_orch("launch", *args, f"run.dir={run_dir}", log=tmp_path / "orch.log")
-    try:
-        def training() -> bool:
-            assert proc.poll() is None, (tmp_path / "orch.log").read_text()[-3000:]
-            return any(m["step"] >= min_step for m in read_jsonl(run_dir / "metrics.jsonl"))
-
-        wait_for(training, 120, "training")
-        deliver(run_dir)
-        assert proc.wait(timeout=200) == 0, (tmp_path / "orch.log").read_text()[-3000:]
-    finally:
-        stop_tree(proc.pid)
-    return run_dir
 
 
 @pytest.mark.slow

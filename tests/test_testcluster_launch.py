@@ -175,3 +175,34 @@ def test_ray_host_killed_is_lost_and_its_ray_node_comes_back_and_the_job_grows_o
     assert s["world_size_history"] == [3, 2, 3]
     assert s["preemptions"] == 0 and [r["mttr_s"] for r in s["recoveries"]], s["recoveries"]
     assert leftovers(tc.name) == [] or all(not tc.pids(n) for n in tc.nodes), "no Ray node left running on a host"
+
+
+@pytest.mark.timeout(540)
+@pytest.mark.testcluster(nodes=3)
+@pytest.mark.skipif(__import__("orchestrator.ft", fromlist=["x"]).torchft_problem() is not None, reason="needs torchft")
+def test_per_step_partitioned_host_drops_out_of_the_quorum_and_heals_from_a_peer(testcluster, tmp_path):
+    """fault_tolerance.mode=per_step on three hosts: the two survivors go on within seconds without
+    restarting; the healed host's replica group comes back by healing from a live peer, not from storage."""
+    tc, run_dir = testcluster, tmp_path / "run"
+    proc = start_orch("launch", "conf=cpu_elastic", *tc.launch_overrides("local"), "cluster.nnodes=1:3",
+                      "fault_tolerance.mode=per_step", "trainer.max_steps=100000", "trainer.log_every=5",
+                      "checkpoint.every_n_steps=200", f"run.dir={run_dir}", log=tmp_path / "orch.log")
+    try:
+        wait_for(lambda: [e for e in events_of(run_dir, "quorum_changed") if e["replicas"] == 3], 240,
+                 "three replica groups in the quorum")
+        cut = tc.partition(2)["t"]
+        shrunk = wait_for(lambda: [e for e in events_of(run_dir, "quorum_changed", cut) if e["replicas"] == 2], 60,
+                          "the two survivors' next committed step")[0]
+        assert shrunk["t"] - cut < 15, shrunk["t"] - cut
+        healed = tc.heal(2)["t"]
+        back = wait_for(lambda: [e for e in events_of(run_dir, "replica_healed", healed) if e["node"] == 2], 240,
+                        "the healed host's group healing from a peer")[0]
+        assert back["source_node"] in (0, 1) and back["checkpoint_read"] is False
+        assert back["params_sha256"] == back["source_params_sha256"]
+        wait_for(lambda: [e for e in events_of(run_dir, "quorum_changed", back["t"]) if e["replicas"] == 3], 60,
+                 "three replica groups again")
+    finally:
+        stop_tree(proc.pid)
+    assert not events_of(run_dir, "restart", cut) and not events_of(run_dir, "checkpoint_loaded", cut)
+    print(f"\nper_step: survivors committed {shrunk['t'] - cut:.1f} s after the cut; healed host rejoined "
+          f"{back['t'] - healed:.1f} s after the heal")

@@ -37,3 +37,19 @@ class FailingMLM(UnusedBranchMLM):
             raise ValueError(f"deliberate bug in user code at forward {self.calls}")
         return nn.functional.cross_entropy(self.used(self.embedding(input_ids)).flatten(0, 1), labels.flatten(),
                                            ignore_index=-100)
+
+
+class SlowMLM(UnusedBranchMLM):
+    """Sleeps ``delay_s`` in every forward: a run long enough to be watched, stopped and resumed by a test."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, delay_s: float = 0.03, **_ignored):
+        super().__init__(vocab_size, hidden_size)
+        del self.unused
+        self.delay_s = delay_s
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        import time
+
+        time.sleep(self.delay_s)
+        return nn.functional.cross_entropy(self.used(self.embedding(input_ids)).flatten(0, 1), labels.flatten(),
+                                           ignore_index=-100)

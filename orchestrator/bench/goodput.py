@@ -27,12 +27,13 @@ def run_job(run_dir: Path, max_steps: int, overrides: list[str]) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def run_goodput_bench(every_s: float = 60.0, max_steps: int = 6000, grace_s: float = 30.0) -> dict:
+def run_goodput_bench(every_s: float = 60.0, max_steps: int = 6000, grace_s: float = 30.0,
+                      extra: tuple[str, ...] = ()) -> dict:
     """Goodput of the job with a preempted node every ``every_s`` seconds, and without."""
     with tempfile.TemporaryDirectory(prefix="orch-bench-goodput-") as tmp:
-        quiet = run_job(Path(tmp) / "no-preemption", max_steps, [])
+        quiet = run_job(Path(tmp) / "no-preemption", max_steps, [*extra])
         drill = run_job(Path(tmp) / "preempted", max_steps,
-                        [f"preemption.schedule.every_s={every_s}", f"preemption.schedule.grace_s={grace_s}"])
+                        [*extra, f"preemption.schedule.every_s={every_s}", f"preemption.schedule.grace_s={grace_s}"])
     result = {
         "goodput": drill["goodput"]["goodput"],
         "goodput_no_preemption": quiet["goodput"]["goodput"],
@@ -46,7 +47,19 @@ def run_goodput_bench(every_s: float = 60.0, max_steps: int = 6000, grace_s: flo
     return result
 
 
-def main_goodput_bench(out: Optional[str], every_s: float, max_steps: int) -> dict:
+def main_goodput_bench(out: Optional[str], every_s: float, max_steps: int, mode: str = "restart") -> dict:
+    if mode == "per_step":
+        both = {m: run_goodput_bench(every_s=every_s, max_steps=max_steps, extra=(f"fault_tolerance.mode={m}",))
+                for m in ("restart", "per_step")}
+        print(f"goodput with a preempted node every {every_s:g} s vs none ({max_steps} steps, 2 simulated nodes)")
+        print(f"  {'mode':<10}{'goodput':>9}{'no preemption':>15}{'ratio':>8}{'lost steps':>12}{'preemptions':>13}")
+        for m, r in both.items():
+            print(f"  {m:<10}{r['goodput']:>9.3f}{r['goodput_no_preemption']:>15.3f}{r['ratio']:>8.3f}"
+                  f"{r['lost_steps']:>12}{r['preemptions']:>13}")
+        print("  target per_step: ratio >= 0.97, 0 lost steps")
+        if out:
+            Path(out).write_text(json.dumps(both, indent=2) + "\n")
+        return both
     result = run_goodput_bench(every_s=every_s, max_steps=max_steps)
     print(f"goodput with a preempted node every {every_s:g} s vs none ({max_steps} steps, 2 simulated nodes)")
     print(f"  {'':<16}{'goodput':>9}{'wall s':>9}{'lost steps':>12}{'preemptions':>13}")

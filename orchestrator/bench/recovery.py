@@ -10,6 +10,11 @@ checkpoint every 5 steps) and lose node 1 the same way once step K has completed
     ``--max-restarts`` is set (to the preset's), as without it torchrun gives up at the first loss.
 (b) orch: ``orch launch`` with the Ray launcher (embedded Ray): the store in the driver, orch's rendezvous
     timeouts, the controller's node agents.
+
+``--mode per_step`` runs three nodes (1..3) and loses one of them, three ways in one run: bare torchrun, orch
+in restart mode and orch in per_step mode (torchft: the survivors never restart). MTTR there ends at the
+survivors' next committed step. ``lost_steps``: committed steps the job had to train again after the kill
+(the last step it reached before the kill minus the step it went on from).
 """
 
 from __future__ import annotations
@@ -37,6 +42,40 @@ JOB = ["cluster.nnodes=1:2", "trainer.max_steps=100000", "trainer.log_every=1", 
 STEP_TIMEOUT_S = 180.0
 
 
+MODES = ("restart", "per_step")
+
+
+def run_modes_bench(kill_at_step: int = 20, recovery_timeout_s: float = 180.0, workdir: Optional[str] = None) -> dict:
+    """Bare torchrun, orch restart and orch per_step, 1 of 3 nodes killed at step K in each; one object per mode
+    (``orch_mttr_s``, ``torchrun_mttr_s``, ``ratio``, ``lost_steps``), the same bare torchrun in both."""
+    load_before = os.getloadavg()[0]
+    job = [*JOB, "cluster.nnodes=1:3"]
+    with tempfile.TemporaryDirectory(prefix="orch-bench-recovery-") as tmp:
+        base = Path(workdir or tmp)
+        torchrun = _bare_torchrun(base / "torchrun", kill_at_step, recovery_timeout_s, nodes=3, job=job)
+        result: dict = {}
+        for mode in MODES:
+            run_dir = base / mode
+            mttr = _orch(run_dir, kill_at_step, recovery_timeout_s,
+                         extra=[*job[len(JOB):], f"fault_tolerance.mode={mode}"], launcher="local")
+            result[mode] = {"orch_mttr_s": mttr, "torchrun_mttr_s": torchrun, "ratio": round(mttr / torchrun, 3),
+                            "lost_steps": lost_steps(run_dir)}
+    result.update(nodes=3, kill_at_step=kill_at_step,
+                  load_avg_1m=[round(load_before, 2), round(os.getloadavg()[0], 2)])
+    return result
+
+
+def lost_steps(run_dir: Path) -> int:
+    """Steps reached before the kill that the job trained again: the highest step logged before it minus the
+    step before the first one logged after it (metrics every step)."""
+    events = read_jsonl(run_dir / "events.jsonl")
+    kill_t = next(e["t"] for e in events if e["event"] == "chaos_kill")
+    metrics = read_jsonl(run_dir / METRICS_FILE)
+    before = max((m["step"] for m in metrics if m["t"] <= kill_t), default=0)
+    after = min((m["step"] for m in metrics if m["t"] > kill_t), default=before + 1)
+    return max(0, before - (after - 1))
+
+
 def run_recovery_bench(kill_at_step: int = 10, recovery_timeout_s: float = 180.0, workdir: Optional[str] = None) -> dict:
     """MTTR of bare torchrun and of orch for the same kill; ``{"orch_mttr_s", "torchrun_mttr_s", "ratio"}``
     (ratio = orch / torchrun) plus the kill step. Run dirs go under ``workdir`` (kept) or a temporary dir."""
@@ -50,17 +89,18 @@ def run_recovery_bench(kill_at_step: int = 10, recovery_timeout_s: float = 180.0
             "kill_at_step": kill_at_step, "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
 
 
-def _bare_torchrun(run_dir: Path, kill_at_step: int, timeout_s: float) -> float:
+def _bare_torchrun(run_dir: Path, kill_at_step: int, timeout_s: float, nodes: int = 2,
+                   job: Optional[list[str]] = None) -> float:
     from orchestrator.config.compose import compose_config
     from orchestrator.launch import write_config
     from orchestrator.plan.plan import CONFIG_FILE, node_env
 
-    cfg = compose_config(PRESET, [*JOB, "launcher=local", f"run.dir={run_dir}"])
+    cfg = compose_config(PRESET, [*(job or JOB), "launcher=local", f"run.dir={run_dir}"])
     write_config(cfg, str(run_dir))
     port = _free_port()
     agents: dict[int, NodeProcess] = {}
     try:
-        for node in (0, 1):
+        for node in range(nodes):
             argv = (sys.executable, "-m", "torch.distributed.run", f"--nnodes={cfg.cluster.min_nodes}:{cfg.cluster.max_nodes}",
                     "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                     "--rdzv-id=bench-recovery", f"--max-restarts={cfg.cluster.max_restarts}",
@@ -76,12 +116,12 @@ def _bare_torchrun(run_dir: Path, kill_at_step: int, timeout_s: float) -> float:
             terminate_tree(agent.pid, grace_s=5)
 
 
-def _orch(run_dir: Path, kill_at_step: int, timeout_s: float) -> float:
-    log = run_dir.parent / "orch.log"
+def _orch(run_dir: Path, kill_at_step: int, timeout_s: float, extra: tuple = (), launcher: str = "ray") -> float:
+    log = run_dir.parent / f"orch-{run_dir.name}.log"
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "launch", f"conf={PRESET}", *JOB,
-                             "launcher=ray", f"run.dir={run_dir}"], stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "launch", f"conf={PRESET}", *JOB, *extra,
+                             f"launcher={launcher}", f"run.dir={run_dir}"], stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
     try:
         return _kill_and_time(run_dir, kill_at_step, timeout_s, "orch", proc)
     finally:
@@ -103,11 +143,22 @@ def _kill_and_time(run_dir: Path, kill_at_step: int, timeout_s: float, who: str,
         return any(m["step"] >= kill_at_step for m in read_jsonl(run_dir / METRICS_FILE))
 
     _wait_for(reached, STEP_TIMEOUT_S, f"{who} to reach step {kill_at_step}")
-    _wait_for(lambda: (run_dir / NODES_FILE).exists() and "1" in json.loads((run_dir / NODES_FILE).read_text()),
+    _wait_for(lambda: (run_dir / NODES_FILE).exists() and "1" in json.loads((run_dir / NODES_FILE).read_text())
+              and _all_replicas_in(run_dir),
               30, f"{who}'s node 1")
     kill_node(str(run_dir), 1)
     recoveries = _wait_for(lambda: build_summary(run_dir)["recoveries"], timeout_s, f"{who} to recover")
     return recoveries[0]["mttr_s"]
+
+
+def _all_replicas_in(run_dir: Path) -> bool:
+    """per_step: every node agent started is in the quorum (else the kill would hit a group still healing);
+    restart mode has no quorum events and needs nothing more."""
+    events = read_jsonl(run_dir / "events.jsonl")
+    quorums = [e["replicas"] for e in events if e["event"] == "quorum_changed"]
+    if not quorums:
+        return not any(e["event"] == "replica_healed" for e in events)
+    return quorums[-1] >= len(json.loads((run_dir / NODES_FILE).read_text()))
 
 
 def _wait_for(predicate: Callable, timeout_s: float, what: str):
@@ -134,8 +185,21 @@ def _port_open(port: int) -> bool:
         return False
 
 
-def main_recovery_bench(out: Optional[str], kill_at_step: int = 10) -> dict:
-    """Run :func:`run_recovery_bench`, print both MTTRs and the ratio, write the result as JSON to ``out``."""
+def main_recovery_bench(out: Optional[str], kill_at_step: int = 10, mode: str = "restart") -> dict:
+    """Run :func:`run_recovery_bench` (``mode`` per_step: :func:`run_modes_bench`), print the MTTRs and ratios,
+    write the result as JSON to ``out``."""
+    if mode == "per_step":
+        r = run_modes_bench(kill_at_step=max(kill_at_step, 20))
+        print(f"recovery after losing 1 of 3 nodes at step {r['kill_at_step']} (kill -> next committed step)")
+        print(f"  bare torchrun (default rendezvous, store on node 0): {r['restart']['torchrun_mttr_s']:6.2f} s")
+        for m in MODES:
+            print(f"  orch {m:<9} {r[m]['orch_mttr_s']:6.2f} s  ratio to torchrun {r[m]['ratio']:.3f}  "
+                  f"lost steps {r[m]['lost_steps']}")
+        print("  targets: per_step <= 1.5 s and <= 0.05 x torchrun, 0 lost steps")
+        print(f"  load average (1 min) before/after: {r['load_avg_1m'][0]:.1f}/{r['load_avg_1m'][1]:.1f}")
+        if out:
+            Path(out).write_text(json.dumps(r, indent=2) + "\n")
+        return r
     r = run_recovery_bench(kill_at_step=kill_at_step)
     print(f"recovery after losing node 1 of 2 at step {r['kill_at_step']} (kill -> first completed step after it)")
     print(f"  bare torchrun (default rendezvous, store on node 0): {r['torchrun_mttr_s']:6.1f} s")

@@ -33,23 +33,50 @@ ConfigStore.instance().store(name="_orch_schema_typed", node=OrchConfig)
 ConfigStore.instance().store(name=SCHEMA_NAME, node={"defaults": ["_orch_schema_typed", {"logger": "none"}, "_self_"]})
 
 
+CONF_PATH_ENV = "ORCH_CONF_PATH"  # extra preset directories, searched after orch's own (os.pathsep-separated)
+
+
 def conf_dir() -> Path:
-    """The presets directory: ``$ORCH_CONF_DIR`` if set, else the repository's ``conf/``."""
-    return Path(os.environ.get("ORCH_CONF_DIR") or Path(__file__).resolve().parents[2] / "conf")
+    """orch's own presets: ``orchestrator/conf``, the repository's top-level ``conf/`` (a link to it in a
+    checkout, a copy inside the installed wheel)."""
+    return Path(__file__).resolve().parents[1] / "conf"
+
+
+def user_conf_dirs() -> list[Path]:
+    """The user's preset directories, added to orch's own: ``$ORCH_CONF_PATH`` (``dir1:dir2``) and
+    ``$ORCH_CONF_DIR`` (the older single-directory name, which now adds too)."""
+    entries = os.environ.get(CONF_PATH_ENV, "").split(os.pathsep) + [os.environ.get("ORCH_CONF_DIR", "")]
+    return [Path(e).resolve() for e in entries if e.strip()]
+
+
+def _conf_dirs() -> list[Path]:
+    return [conf_dir()] + [d for d in user_conf_dirs() if d != conf_dir()]
 
 
 def list_presets() -> list[str]:
-    """Names usable as ``conf=NAME``: the top-level YAML files of the conf dir."""
-    return sorted(p.stem for p in conf_dir().glob("*.yaml"))
+    """Names usable as ``conf=NAME``: the top-level YAML files of orch's conf dir and the user's."""
+    return sorted({p.stem for d in _conf_dirs() for p in d.glob("*.yaml")})
 
 
 def list_groups() -> dict[str, list[str]]:
-    """Config groups with their built-in options, e.g. ``{"backend": ["gloo", "nccl"], ...}``."""
-    return {
-        d.name: sorted(p.stem for p in d.glob("*.yaml"))
-        for d in sorted(conf_dir().iterdir())
-        if d.is_dir() and not d.name.startswith((".", "_"))
-    }
+    """Config groups with their options, e.g. ``{"backend": ["gloo", "nccl"], ...}`` (the user's included)."""
+    groups: dict[str, set[str]] = {}
+    for conf in _conf_dirs():
+        for d in sorted(conf.iterdir()) if conf.is_dir() else ():
+            if d.is_dir() and not d.name.startswith((".", "_")):
+                groups.setdefault(d.name, set()).update(p.stem for p in d.glob("*.yaml"))
+    return {name: sorted(options) for name, options in sorted(groups.items())}
+
+
+def refuse_hydra_overrides(overrides: Sequence[str]) -> None:
+    """orch runs Hydra's compose API, not a Hydra app: ``hydra.*`` keys (``hydra.run.dir``, ``hydra.job.chdir``,
+    ``hydra.searchpath``) would be ignored silently, so they are refused, naming orch's own key."""
+    for override in overrides:
+        key = override.lstrip("+~").split("=", 1)[0]
+        if key == "hydra" or key.startswith("hydra."):
+            raise ConfigError(key, override.partition("=")[2] or None,
+                              "orch sets the run's directory with run.dir=PATH (it never changes the working "
+                              f"directory); extra preset directories go in ${CONF_PATH_ENV}", "is not used by orch")
 
 
 def split_preset(tokens: Sequence[str]) -> tuple[str, list[str]]:
@@ -63,11 +90,18 @@ def split_preset(tokens: Sequence[str]) -> tuple[str, list[str]]:
 
 def compose_dictconfig(preset: str, overrides: Sequence[str] = ()) -> DictConfig:
     """Run Hydra's compose for ``preset`` with ``overrides``; raise ConfigError on anything Hydra rejects."""
+    refuse_hydra_overrides(overrides)
     if preset not in list_presets():
         raise ConfigError("conf", preset, f"use one of {', '.join(list_presets())}", "is not a known preset")
+    # Hydra looks the preset up in the primary dir only (the search path is applied after): the dir that holds it
+    # is primary, the others follow in order.
+    dirs = _conf_dirs()
+    primary = next(d for d in dirs if (d / f"{preset}.yaml").is_file())
+    rest = [d for d in dirs if d != primary]
+    searchpath = [f"hydra.searchpath=[{','.join(f'file://{d}' for d in rest)}]"] if rest else []
     try:
-        with own_hydra(), initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            return compose(config_name=preset, overrides=list(overrides))
+        with own_hydra(), initialize_config_dir(config_dir=str(primary), version_base="1.3"):
+            return compose(config_name=preset, overrides=list(overrides) + searchpath)
     except (HydraException, OmegaConfBaseException) as exc:
         raise _translate(exc, overrides) from None
     except AssertionError as exc:  # OmegaConf asserts when an override reaches under a null node

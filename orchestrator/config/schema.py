@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
+from orchestrator.config import k8s_checks
+from orchestrator.config.k8s_checks import DNS_LABEL, QUANTITY
 from orchestrator.errors import ConfigError
 
 BACKENDS = ("nccl", "gloo")
@@ -87,8 +89,15 @@ class CheckpointConfig:
 
     url: Optional[str] = None
     """Where checkpoints go; ``null`` means ``<run.dir>/checkpoints``."""
-    every_n_steps: int = 0
-    """Save every N optimizer steps; 0 saves only at the end of the run."""
+    every_n_steps: Any = 0
+    """Save every N optimizer steps; 0 saves only at the end of the run. ``auto``: orch sets the interval from
+    the measured save stall, step time and rate of interruptions that lose work (Young/Daly; each change is a
+    ``checkpoint_interval`` event; see docs/simulate.md)."""
+    auto_prior_mtbf_s: float = 14400.0
+    """``every_n_steps=auto``: the mean seconds between interruptions that lose work, assumed for a new run."""
+    auto_prior_weight: float = 0.25
+    """``every_n_steps=auto``: how many observed interruptions the prior counts as; the run's own rate takes
+    over once it has seen a few."""
     keep_last: int = 3
     """How many checkpoints to keep; older ones are deleted after a newer one is committed."""
     async_save: bool = True
@@ -97,7 +106,15 @@ class CheckpointConfig:
     """``auto`` (newest valid checkpoint, if any), ``never``, or a step number."""
 
     def __post_init__(self) -> None:
-        _require("checkpoint.every_n_steps", self.every_n_steps, self.every_n_steps >= 0, "use 0 or more")
+        if str(self.every_n_steps).isdigit():
+            self.every_n_steps = int(self.every_n_steps)
+        _require("checkpoint.every_n_steps", self.every_n_steps,
+                 self.every_n_steps == "auto" or (isinstance(self.every_n_steps, int) and self.every_n_steps >= 0),
+                 "use 0 or more, or auto")
+        _require("checkpoint.auto_prior_mtbf_s", self.auto_prior_mtbf_s, self.auto_prior_mtbf_s > 0,
+                 "use a positive number of seconds")
+        _require("checkpoint.auto_prior_weight", self.auto_prior_weight, self.auto_prior_weight > 0,
+                 "use a positive weight")
         _require("checkpoint.keep_last", self.keep_last, self.keep_last >= 1, "keep at least 1 checkpoint")
         self.resume = str(self.resume)
         _require(
@@ -119,7 +136,10 @@ class ClusterConfig:
     max_restarts: int = 3
     """How many times torchrun may restart a node's workers after a failure or a membership change."""
     address: Optional[str] = None
-    """Ray cluster to join (``auto``, ``HOST:PORT`` or ``ray://...``); ``null`` starts an embedded local Ray."""
+    """Ray cluster to join (``auto``, ``HOST:PORT`` or ``ray://...``), or a Ray dashboard (``http://HOST:8265``)
+    to submit the launch to as a Ray job; ``null`` starts an embedded local Ray."""
+    dashboard: bool = False
+    """Embedded Ray: start its dashboard too; its address is printed and recorded (``launch_started.dashboard``)."""
     cpus_per_node: float = 1.0
     """Ray launcher: CPUs each node agent reserves on its Ray node (placement only; workers are not pinned)."""
     gpus_per_node: Optional[int] = None
@@ -355,8 +375,6 @@ class PreemptionConfig:
         _require("preemption.poll_interval_s", self.poll_interval_s, self.poll_interval_s > 0, "use a positive number")
 
 
-QUANTITY = r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)(([KMGTPE]i)|[mkMGTPE])?$"
-DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 
 
@@ -369,7 +387,8 @@ class K8sConfig:
     image_pull_policy: str = "IfNotPresent"
     """``Always``, ``IfNotPresent`` or ``Never``."""
     name: Optional[str] = None
-    """Name of the rendered objects and the run id every pod shares; ``null``: ``orch-<preset>`` (``_`` -> ``-``)."""
+    """Prefix of the rendered objects' names, ``<name>-<run id>``; ``null``: ``orch``. The run id is ``run.id``, or a
+    fresh ``<preset>-<6 hex>`` per render, so two renders of one preset never collide."""
     namespace: Optional[str] = None
     """``metadata.namespace`` of every object; ``null``: the namespace they are applied to."""
     service_account: Optional[str] = None
@@ -404,13 +423,38 @@ class K8sConfig:
     run_dir_claim: Optional[str] = "orch-runs"
     """rayjob: a ReadWriteMany PersistentVolumeClaim mounted at /runs on every Ray pod: the Ray launcher's run
     dir must be on storage every node sees."""
+    queue: Optional[str] = None
+    """Kueue LocalQueue: the ``kueue.x-k8s.io/queue-name`` label of the job object (Kueue admits it all at once)."""
+    scheduler_name: Optional[str] = None
+    """``schedulerName`` of every pod, e.g. ``volcano``; gang scheduling where the format has it (pytorchjob:
+    schedulingPolicy.minAvailable, trainjob: podGroupPolicy.volcano, rayjob: the ``ray.io/scheduler-name`` label)."""
+    priority_class: Optional[str] = None
+    """``priorityClassName`` of every pod (Kueue takes the workload's priority from it)."""
+    labels: dict = field(default_factory=dict)
+    """Extra labels of every object and pod (orch's own ``app.kubernetes.io/*`` and ``orch/*`` labels win)."""
+    annotations: dict = field(default_factory=dict)
+    """Extra annotations of every object and pod."""
+    node_selector: dict = field(default_factory=dict)
+    """Node labels every pod requires, the store's included (``k8s.spot_node_selector`` adds to the training pods')."""
+    tolerations: list = field(default_factory=list)
+    """Tolerations of every pod, the store's included (``k8s.spot_tolerations`` adds to the training pods')."""
+    image_pull_secrets: list = field(default_factory=list)
+    """Secrets (names) of type docker-registry for a private image, on every pod."""
+    volumes: list = field(default_factory=list)
+    """Volumes of the training pods: ``{name, mount_path, claim}`` mounts a PersistentVolumeClaim, no ``claim`` an
+    emptyDir (``size``: its sizeLimit); ``read_only`` optional. A claim can hold checkpoints
+    (``checkpoint.url=<mount_path>/...``) when every pod mounts it (ReadWriteMany)."""
+    secrets: dict = field(default_factory=dict)
+    """Environment variables from Secret references, ``{NAME: SECRET}`` (key NAME) or ``{NAME: SECRET/KEY}``; the
+    value never appears in the manifest. ``k8s.env`` refuses values that look like credentials."""
 
     def __post_init__(self) -> None:
         _require("k8s.image", self.image, bool(self.image), "give the image with orch installed, e.g. k8s.image=orch:latest")
         _one_of("k8s.image_pull_policy", self.image_pull_policy, PULL_POLICIES)
         if self.name is not None:
-            _require("k8s.name", self.name, len(self.name) <= 40 and re.match(DNS_LABEL, self.name) is not None,
-                     "use at most 40 lower-case letters, digits and '-', starting and ending alphanumeric")
+            _require("k8s.name", self.name, len(self.name) <= 40 and re.match(DNS_LABEL, self.name) is not None
+                     and self.name[0].isalpha(), "use at most 40 lower-case letters, digits and '-', starting with a "
+                     "letter and ending alphanumeric")
         for key in ("cpu", "memory", "shm_size"):
             value = getattr(self, key)
             if value is not None:
@@ -420,6 +464,17 @@ class K8sConfig:
         _require("k8s.backoff_limit", self.backoff_limit, self.backoff_limit >= 0, "use 0 or more")
         _require("k8s.termination_grace_margin_s", self.termination_grace_margin_s,
                  self.termination_grace_margin_s >= 0, "use 0 or more seconds")
+        for key in ("queue", "scheduler_name", "priority_class", "namespace", "service_account"):
+            if getattr(self, key) is not None:
+                k8s_checks.check_dns_name(f"k8s.{key}", getattr(self, key))
+        for i, secret in enumerate(self.image_pull_secrets):
+            k8s_checks.check_dns_name(f"k8s.image_pull_secrets[{i}]", secret)
+        k8s_checks.check_labels("k8s.labels", self.labels)
+        k8s_checks.check_labels("k8s.annotations", self.annotations, values_are_labels=False)
+        k8s_checks.check_labels("k8s.node_selector", self.node_selector)
+        k8s_checks.check_env(self.env)
+        k8s_checks.check_secrets(self.secrets)
+        k8s_checks.check_volumes(self.volumes)
 
 
 @dataclass
@@ -442,6 +497,44 @@ class FailureConfig:
                  "use -1 (no limit) or 0 or more")
         _require("failure.wait_for_nodes_s", self.wait_for_nodes_s, self.wait_for_nodes_s > 0,
                  "use a positive number of seconds")
+
+
+FT_MODES = ("restart", "per_step")
+
+
+@dataclass
+class FaultToleranceConfig:
+    """How the job survives a lost node (docs/fault-tolerance.md#choosing-a-mode).
+
+    ``restart``: every membership change restarts every node's workers (torchrun's elastic restart) and they
+    resume from the latest checkpoint. ``per_step`` (torchft, ``pip install 'orch[ft]'``): each node is a
+    replica group of its own; a torchft Lighthouse in the driver forms a quorum of the live groups at every
+    step, a step commits only if every participant finished it, survivors never restart, and a new or
+    returning node copies the live state from a peer."""
+
+    mode: str = "restart"
+    """``restart`` (the default) or ``per_step``."""
+    heartbeat_timeout_ms: int = 1000
+    """per_step: a replica group that misses heartbeats this long drops out of the quorum."""
+    join_timeout_ms: int = 1000
+    """per_step: how long the Lighthouse waits for more replica groups before forming a quorum with fewer
+    than every known one (a returning node joins the quorum after at most this long)."""
+    quorum_tick_ms: int = 50
+    """per_step: how often the Lighthouse re-evaluates the quorum."""
+    collective_timeout_s: float = 3.0
+    """per_step: a cross-replica all-reduce that takes longer fails the step (it is redone by the new quorum)
+    instead of waiting ``backend.timeout_s``."""
+    quorum_timeout_s: float = 60.0
+    """per_step: how long a replica group waits for a quorum (fewer than ``cluster`` MIN live groups)."""
+
+    def __post_init__(self) -> None:
+        _one_of("fault_tolerance.mode", self.mode, FT_MODES)
+        for key in ("heartbeat_timeout_ms", "join_timeout_ms", "quorum_tick_ms"):
+            value = getattr(self, key)
+            _require(f"fault_tolerance.{key}", value, value > 0, "use a positive number of milliseconds")
+        for key in ("collective_timeout_s", "quorum_timeout_s"):
+            value = getattr(self, key)
+            _require(f"fault_tolerance.{key}", value, 0 < value < float("inf"), "use a positive number of seconds")
 
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -527,6 +620,7 @@ class OrchConfig:
     run: RunConfig = field(default_factory=RunConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     k8s: K8sConfig = field(default_factory=K8sConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     """Experiment trackers (the ``logger`` group: none, tensorboard, mlflow, wandb, or a list of them)."""

@@ -26,6 +26,7 @@ def validate_config(cfg: OrchConfig) -> None:
         check_instantiable(key, node, supplied)
     _check_loggers(cfg)
     _check_memory_checkpoint_url(cfg)
+    _check_per_step(cfg)
 
 
 def _check_memory_checkpoint_url(cfg: OrchConfig) -> None:
@@ -40,6 +41,26 @@ def _check_memory_checkpoint_url(cfg: OrchConfig) -> None:
             f"is an in-process memory filesystem, but the job runs up to {ranks} processes "
             f"(cluster.nnodes={c.nnodes} x cluster.nproc_per_node={c.nproc_per_node}), each with its own copy",
         )
+
+
+def _check_per_step(cfg: OrchConfig) -> None:
+    """fault_tolerance.mode=per_step needs torchft, a Lighthouse the launcher hosts, and data drawn step by step."""
+    if cfg.fault_tolerance.mode != "per_step":
+        return
+    from orchestrator.ft import torchft_problem
+
+    problem = torchft_problem()
+    if problem:
+        raise ConfigError("fault_tolerance.mode", "per_step", "pip install 'orch[ft]' (torchft-nightly, see "
+                          "pyproject.toml), or use fault_tolerance.mode=restart", problem)
+    if cfg.cluster.node_index is not None or cfg.rendezvous.external:
+        raise ConfigError("fault_tolerance.mode", "per_step", "use fault_tolerance.mode=restart in Kubernetes pods "
+                          "(launcher=local or launcher=ray host the Lighthouse)",
+                          "needs the torchft Lighthouse in orch's driver, which a pod of a multi-pod job does not run")
+    if cfg.entrypoint.builtin and cfg.data.num_workers > 0:
+        raise ConfigError("data.num_workers", cfg.data.num_workers, "use data.num_workers=0 with "
+                          "fault_tolerance.mode=per_step",
+                          "prefetches batches before the step's quorum says how many replica groups share it")
 
 
 def _check_loggers(cfg: OrchConfig) -> None:

@@ -59,7 +59,7 @@ def forwarded_env(environ: Mapping[str, str], cwd: Optional[str] = None) -> dict
     """The driver's variables (``environ``) that node agents get; the plan's env goes on top.
 
     ``PYTHONPATH`` entries inside ``cwd`` (the driver's working directory, which the agents start in and which
-    a joined Ray cluster gets a copy of, see launchers/ray.py) are followed by the same entry relative to it:
+    a joined Ray cluster gets a copy of, see orchestrator/launchers/ray.py) are followed by the same entry relative to it:
     on another machine the absolute path does not exist and is skipped, and the relative one resolves in
     the agent's copy of the directory.
     """

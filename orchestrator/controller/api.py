@@ -20,6 +20,7 @@ class RunStatus(StrEnum):
     FAILED = "failed"
     INTERRUPTED = "interrupted"  # SIGINT to orch
     PREEMPTED = "preempted"  # SIGTERM to orch: every node saved and left; launch again to resume
+    STOPPED = "stopped"  # `orch stop` (STOP_SIGNAL to orch): every node saved and left; `orch resume` goes on
 
 
 class ExitKind(StrEnum):

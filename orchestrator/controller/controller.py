@@ -26,6 +26,7 @@ from orchestrator.controller.standby_policy import standbys_to_boot
 from orchestrator.controller.states import (RECOVERING, RUNNING, SCHEDULING, State, StateName, failed, finished,
                                             stopping)
 from orchestrator.plan.plan import LaunchPlan
+from orchestrator.ft import REPLICA_ENV
 from orchestrator.rundir import LOGS_DIR, NODES_FILE, EventLog, EventName, write_json_atomic
 
 from orchestrator.controller.agent_env import forwarded_env  # the driver's variables node agents get
@@ -33,6 +34,8 @@ POLL_S = 0.2
 SCALE_INTERVAL_S = 1.0
 STOP_GRACE_S = 10.0
 STOP_TIMEOUT_S = 60.0
+STOP_SIGNAL = signal.SIGUSR1  # `orch stop`: like SIGTERM (every node saves and leaves), but the run ends `stopped`
+SIGTERM_STOPS_ENV = "ORCH_SIGTERM_STOPS"  # "1": SIGTERM means STOP_SIGNAL (a Ray job, stopped by the Jobs API)
 EXIT_BARRIER_GRACE_S = 10.0  # training done and a peer gone, yet an agent waits in torchrun's exit barrier for it
 EXIT_TIMEOUT_S = 120.0  # training done, and no agent has exited at all: stop them (a peer died after the last step)
 
@@ -64,8 +67,10 @@ class Controller:
     def __init__(self, cfg: OrchConfig, plan: LaunchPlan, pool: NodePool, events: EventLog,
                  nodes: Optional[list[int]] = None, evict: Optional[Callable[[str, int], Any]] = None,
                  notify: Optional[Callable[[int, int, float], None]] = None, hooks: Optional[RunHooks] = None,
-                 clock: Optional[Clock] = None, pod: bool = False):
+                 clock: Optional[Clock] = None, pod: bool = False, agent_env: Optional[dict[str, str]] = None):
         self.cfg, self.plan, self.pool, self.events = cfg, plan, pool, events
+        self.agent_env = agent_env or {}  # secrets for the agents' environment only (never plan.json or events)
+        self.per_step = cfg.fault_tolerance.mode == "per_step"
         self.evict, self.notify, self.hooks, self.clock = evict, notify, hooks or RunHooks(), clock or Clock()
         self.pod = pod  # one node of a multi-pod job: rank 0 may train elsewhere
         self.node_indexes = sorted(nodes if nodes is not None else range(cfg.cluster.max_nodes))
@@ -122,7 +127,8 @@ class Controller:
         return previous, self.state
 
     def request_stop(self, signum: int) -> None:
-        """From a signal handler: SIGTERM forwards a preemption notice to every node, SIGINT stops them."""
+        """From a signal handler: SIGTERM (and STOP_SIGNAL) forwards a preemption notice to every node, SIGINT
+        stops them."""
         self.signal = signum
 
     # -- the states -------------------------------------------------------------------------------------------
@@ -165,7 +171,7 @@ class Controller:
         if self._by_id:
             return state
         then = state.then
-        if then.status == RunStatus.PREEMPTED and self.training_finished is not None:
+        if then.status in (RunStatus.PREEMPTED, RunStatus.STOPPED) and self.training_finished is not None:
             return finished(RunStatus.SUCCEEDED)  # the notice came after the last step: nothing was cut short
         return then
 
@@ -191,14 +197,18 @@ class Controller:
         if self.signal is None or self._signal_handled:
             return None
         self._signal_handled = True
-        if self.signal == signal.SIGTERM:
+        if self.signal in (signal.SIGTERM, STOP_SIGNAL):
             grace = self.cfg.preemption.grace_period_s
-            self.events.emit(EventName.PREEMPTION_NOTICE_FORWARDED, reason="orch got SIGTERM", grace_period_s=grace)
+            if self.signal == STOP_SIGNAL:
+                self.events.emit(EventName.STOP_REQUESTED, grace_period_s=grace)
+            self.events.emit(EventName.PREEMPTION_NOTICE_FORWARDED, reason=f"orch got {signal.Signals(self.signal).name}",
+                             grace_period_s=grace)
             if self.notify:
                 for agent in self.agents.values():
                     if agent.pid is not None and not agent.stopping:
                         self.notify(agent.node, agent.pid, grace)
-            return self._stop_all_then(finished(RunStatus.PREEMPTED), grace_s=grace, agent_only=True)
+            status = RunStatus.STOPPED if self.signal == STOP_SIGNAL else RunStatus.PREEMPTED
+            return self._stop_all_then(finished(status), grace_s=grace, agent_only=True)
         self.events.emit(EventName.INTERRUPTED, reason=f"orch got {signal.Signals(self.signal).name}")
         return self._stop_all_then(finished(RunStatus.INTERRUPTED))
 
@@ -291,8 +301,13 @@ class Controller:
                 return
             index = free[0]
         plan = self.plan.nodes[index]
-        argv = tuple(f"--rdzv-id={self.rdzv_id}" if a.startswith("--rdzv-id=") else a for a in plan.argv)
-        env = {**forwarded_env(os.environ, os.getcwd()), **plan.env}
+        rdzv_id, env = self.rdzv_id, {**forwarded_env(os.environ, os.getcwd()), **plan.env, **self.agent_env}
+        if self.per_step:
+            # A replica group of its own: a one-node rendezvous that no other agent, not even this node's next
+            # one, ever joins; its replica id names the node and the incarnation.
+            rdzv_id = f"{rdzv_id}-node{index}-a{self._next_id}"
+            env[REPLICA_ENV] = f"node{index}-a{self._next_id}"
+        argv = tuple(f"--rdzv-id={rdzv_id}" if a.startswith("--rdzv-id=") else a for a in plan.argv)
         log_path = self.run_dir / LOGS_DIR / f"node{index}.log"
         agent = Agent(self._next_id, index, node_id, self.clock.time(), self.clock.monotonic(),
                       log_offset=log_path.stat().st_size if log_path.exists() else 0, standby=standby_for is not None)
@@ -430,8 +445,8 @@ class Controller:
 
     def _evict(self, agent: Agent) -> None:
         """The survivors' next round need not wait for the departed agent's keep-alive to expire."""
-        if self.evict is None or agent.pid is None:
-            return
+        if self.evict is None or agent.pid is None or self.per_step:
+            return  # per_step: the agent's rendezvous was its own; the quorum drops it by heartbeat
         result = self.evict(self.rdzv_id, agent.pid)
         if result:
             self.events.emit(EventName.RENDEZVOUS_EVICTED, node=agent.node, agent_pid=agent.pid)
@@ -451,7 +466,7 @@ class Controller:
                 self.training_finished = self.clock.monotonic()
             elif kind == EventName.PREEMPTION_NOTICE:
                 self._notices.append(e)
-            elif kind == EventName.FIRST_STEP:
+            elif kind in (EventName.FIRST_STEP, EventName.QUORUM_CHANGED):
                 self._first_steps = [*self._first_steps[-9:], e]
             elif kind == EventName.WORKER_FAILED:
                 self._worker_failures = [*self._worker_failures[-63:], e]
@@ -473,13 +488,18 @@ class Controller:
 
 
 def run_with_signals(controller: Controller, run_dir: str, schedule) -> RunStatus:
-    """Run ``controller`` with SIGINT/SIGTERM routed to it (SIGTERM: a preemption notice to every node) and
+    """Run ``controller`` with SIGINT/SIGTERM/STOP_SIGNAL routed to it (SIGTERM: a preemption notice to every
+    node; STOP_SIGNAL, or SIGTERM under ``$ORCH_SIGTERM_STOPS=1``: the same, ending ``stopped``) and
     ``preemption.schedule`` drills going, restoring the previous handlers afterwards."""
     from orchestrator.chaos import PreemptionDrill
 
     drill = PreemptionDrill(run_dir, schedule)
-    previous = {s: signal.signal(s, lambda signum, _: controller.request_stop(signum))
-                for s in (signal.SIGINT, signal.SIGTERM)}
+    term_stops = os.environ.get(SIGTERM_STOPS_ENV) == "1"
+
+    def route(signum: int, _frame: Any) -> None:
+        controller.request_stop(STOP_SIGNAL if signum == signal.SIGTERM and term_stops else signum)
+
+    previous = {s: signal.signal(s, route) for s in (signal.SIGINT, signal.SIGTERM, STOP_SIGNAL)}
     drill.start()
     try:
         return controller.run()

@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from orchestrator.checkpoint import CheckpointManager
+from orchestrator.checkpoint.interval import PROBE_STEPS, IntervalPolicy
 from orchestrator.config.schema import CheckpointConfig
 from orchestrator.elastic import collectives
 from orchestrator.elastic.state import RNG_PAYLOAD, TrainingState, rng_state
@@ -42,16 +43,25 @@ class SessionCheckpoints:
     (rank 0's; others pass a no-op). ``fingerprint``: a short hash per setting that changes the math: stored
     in each checkpoint (:func:`hash_settings`); a resume whose fingerprint differs warns and emits
     ``checkpoint_config_changed``.
-    ``seed`` seeds the RNGs of ranks the checkpointed job did not have."""
+    ``seed`` seeds the RNGs of ranks the checkpointed job did not have. ``run_dir``: the run's history, which
+    ``every_n_steps=auto`` reads (interruptions so far, save stalls)."""
 
     def __init__(self, cfg: CheckpointConfig, url: str, state: TrainingState, ctx: DistContext,
-                 device: torch.device, seed: int, emit: Emit, fingerprint: Optional[dict[str, str]] = None):
+                 device: torch.device, seed: int, emit: Emit, fingerprint: Optional[dict[str, str]] = None,
+                 run_dir: Optional[str] = None):
         self.cfg, self.url, self.state, self.ctx, self.device, self.seed = cfg, url, state, ctx, device, seed
         self.emit, self.fingerprint = emit, fingerprint
         self.manager = CheckpointManager(url, keep_last=cfg.keep_last, async_save=cfg.async_save,
                                          on_event=self._on_event)
         self.last_saved_step: Optional[int] = None
         self.last_save_s: Optional[float] = None  # stall + write of the latest committed save (rank 0)
+        # every_n_steps=auto: rank 0 measures and decides; every rank keeps the same next decision step.
+        self.auto = cfg.every_n_steps == "auto"
+        self.policy = (IntervalPolicy(cfg.auto_prior_mtbf_s, cfg.auto_prior_weight, run_dir)
+                       if self.auto and ctx.is_main else None)
+        self.interval: Optional[int] = None
+        self._decide_at: Optional[int] = None
+        self._tick: Optional[float] = None
 
     def _on_event(self, name: str, fields: dict) -> None:
         if name == EventName.CHECKPOINT_SAVED:
@@ -81,10 +91,42 @@ class SessionCheckpoints:
         return stall_s
 
     def maybe_save(self) -> None:
-        """The periodic save, every ``every_n_steps`` steps (0: none)."""
+        """The periodic save, every ``every_n_steps`` steps (0: none; ``auto``: :meth:`_auto_save`)."""
         n = self.cfg.every_n_steps
-        if n and self.state.progress.step % n == 0:
+        if self.auto:
+            self._auto_save()
+        elif n and self.state.progress.step % n == 0:
             self.save()
+
+    def _auto_save(self) -> None:
+        """``every_n_steps=auto``. Decisions fall on steps every rank knows (the attempt's step ``PROBE_STEPS``,
+        then each save), where rank 0 broadcasts whether to save and then the next interval, so the ranks never
+        disagree on a collective save and cost no collective on the steps between."""
+        step, now = self.state.progress.step, time.perf_counter()
+        if self.policy is not None and self._tick is not None:
+            self.policy.observe_step(now - self._tick)
+        self._tick = now
+        if self._decide_at is None:
+            self._decide_at = step + PROBE_STEPS - 1
+        if step < self._decide_at:
+            return
+        due = None
+        if self.policy is not None:
+            interval = self.policy.decide(self.interval)  # None until a save's stall was measured: save to measure it
+            due = interval is None or step - (self.last_saved_step or 0) >= interval
+        due = collectives.broadcast_object(due)
+        if due:
+            stall_s = self.save()
+            if self.policy is not None:
+                self.policy.observe_save(stall_s)
+        decided = self.policy.decide(self.interval) if self.policy is not None else None
+        interval = collectives.broadcast_object(decided) or PROBE_STEPS
+        if self.policy is not None and interval != self.interval:
+            self.emit(EventName.CHECKPOINT_INTERVAL, step=step, every_n_steps=interval, previous=self.interval,
+                      **self.policy.fields())
+        self.interval = interval
+        self._decide_at = max(step + 1, (self.last_saved_step or 0) + interval)
+        self._tick = time.perf_counter()  # the save's stall is not a step
 
     def finish(self) -> None:
         """The final checkpoint (unless this step was just saved), then wait for any write in flight."""

@@ -78,7 +78,7 @@ class MetricsLog:
         if not self.ctx.is_main:
             return None
         record = {"t": time.time(), "step": step, "loss": self.last_loss if loss is not None else None,
-                  "lr": None, "world_size": self.ctx.world_size, "samples_per_s": window_samples / window_s,
+                  "lr": None, "world_size": self.ctx.job_world_size, "samples_per_s": window_samples / window_s,
                   "step_time_s": window_s / window_steps, "last_step_time_s": step_time_s,
                   "restart_count": self.ctx.restart_count}
         known = fields()

@@ -55,9 +55,11 @@ class PreemptionResponse:
     ``checkpoints`` None: nothing to save, a notice only makes every rank leave with 75 at the boundary."""
 
     def __init__(self, cfg: PreemptionConfig, ctx: DistContext, run_dir: Optional[str], device: torch.device,
-                 progress: Progress, checkpoints: Optional[SessionCheckpoints], emit: Callable[..., Any]):
+                 progress: Progress, checkpoints: Optional[SessionCheckpoints], emit: Callable[..., Any],
+                 peers_hold_state: Callable[[], bool] = lambda: False):
         self.cfg, self.ctx, self.device, self.progress = cfg, ctx, device, progress
         self.checkpoints, self.emit = checkpoints, emit
+        self.peers_hold_state = peers_hold_state  # per_step: other replica groups go on with the state
         sources = [s for s in cfg.sources if run_dir is not None or s not in RUN_DIR_SOURCES]
         # One poller per node is enough (local rank 0); every rank handles SIGTERM, which hits them all, and reads
         # the agent's notice file at start-up (a notice given between rounds, before this worker existed).
@@ -102,7 +104,14 @@ class PreemptionResponse:
 
     def _save_and_leave(self, notice_t: float) -> None:
         step, start = self.progress.step, time.time()
-        if self.checkpoints is not None:
+        if self.peers_hold_state():
+            # per_step: the peers hold the state; this group leaves at the boundary with nothing to save (a
+            # periodic save it was writing as the leader is let commit first).
+            self._commit_save_in_flight()
+            if self.ctx.rank == 0:
+                self.emit(EventName.REPLICA_LEFT, node=self.ctx.node, step=step,
+                                since_notice_s=time.time() - notice_t)
+        elif self.checkpoints is not None:
             if self.ctx.is_main:
                 remaining = self.cfg.grace_period_s - (start - notice_t)
                 expected = self.checkpoints.expected_save_s()

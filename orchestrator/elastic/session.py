@@ -12,7 +12,7 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, replace
-from typing import Any, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 import torch
 
@@ -22,10 +22,14 @@ from orchestrator.elastic.checkpoints import SessionCheckpoints, hash_settings
 from orchestrator.elastic.metrics import MetricsLog
 from orchestrator.elastic.preemption import PreemptedExit, PreemptionResponse
 from orchestrator.elastic.state import Progress, TrainingState, params_sha256
+from orchestrator.ft import LIGHTHOUSE_ENV
 from orchestrator.rundir import EventLog, EventName
 from orchestrator.runtime.distributed import DistContext, select_device
 from orchestrator.runtime.sampler import GlobalBatchSampler
 from orchestrator.runtime.timing import NullStepTimer, StartupTimes, latest_over_ranks, timer_for
+
+if TYPE_CHECKING:
+    from orchestrator.ft.replica import ReplicaGroup
 
 
 class Session:
@@ -65,8 +69,8 @@ class Session:
             ckpt = replace(ckpt, every_n_steps=every_n_steps)
         self.max_steps: int = trainer.max_steps if max_steps is None else max_steps
         """Optimizer steps to train for (``trainer.max_steps``)."""
-        self.every_n_steps: int = ckpt.every_n_steps
-        """Periodic checkpoint interval in steps (``checkpoint.every_n_steps``; 0: only the final save)."""
+        self.every_n_steps: int | str = ckpt.every_n_steps
+        """Periodic checkpoint interval in steps (``checkpoint.every_n_steps``; 0: only the final save; ``auto``)."""
         self.seed: int = trainer.seed if seed is None else seed
         self.checkpoint_url = checkpoint_url or ckpt.url or (f"{run_dir}/checkpoints" if run_dir is not None else None)
         if device is None:
@@ -76,9 +80,9 @@ class Session:
         self.startup = startup or StartupTimes()
         self.progress = Progress()
         self.state = TrainingState(self.progress)
-        emit = self._emit if self.ctx.is_main else _ignore
+        emit = self._emit_main
         self.checkpoints = (SessionCheckpoints(ckpt, self.checkpoint_url, self.state, self.ctx, self.device, self.seed,
-                                               emit) if self.checkpoint_url else None)
+                                               emit, run_dir=run_dir) if self.checkpoint_url else None)
         self.trackers = open_trackers_rank0(cfg, run_dir, self.ctx.rank) if self.ctx.is_main else None
         self.log_every: int = trainer.log_every if log_every is None else log_every
         """A metrics record every N steps (and at ``max_steps``)."""
@@ -89,9 +93,15 @@ class Session:
         self.sampler: Optional[GlobalBatchSampler] = None
         self._restored = self._started = False
         self._attempt_steps = 0
+        self._discarded = False
         self._step_start = time.perf_counter()
         self._result: Optional[dict[str, Any]] = None
         self.owns_process_group = False  # set by init(): the session then destroys it on exit
+        # fault_tolerance.mode=per_step under orch's launcher (it hosts the Lighthouse): this node is a replica
+        # group of its own, joined at register() (the process group must exist first).
+        self.per_step = (cfg is not None and cfg.fault_tolerance.mode == "per_step"
+                         and bool(os.environ.get(LIGHTHOUSE_ENV)))
+        self.replica: Optional["ReplicaGroup"] = None
 
     # -- who and where ----------------------------------------------------------------------------------------
     @property
@@ -129,6 +139,27 @@ class Session:
         if self.events is not None:
             self.events.emit(event, **fields)
 
+    def _emit_main(self, event: str, **fields: Any) -> None:
+        """The run's records come from one worker (per_step: rank 0 of the quorum's leading group, which can
+        change from step to step)."""
+        if self.ctx.is_main:
+            self._emit(event, **fields)
+
+    def _emit_group(self, event: str, **fields: Any) -> None:
+        """A replica group's own events (per_step: healed, discarded, left) come from its rank 0."""
+        if self.ctx.rank == 0:
+            self._emit(event, **fields)
+
+    def _modules(self) -> list[torch.nn.Module]:
+        return [m for m in self.state.components.values() if isinstance(m, torch.nn.Module)]
+
+    def sync_gradients(self) -> None:
+        """Average the gradients over every replica group now (``fault_tolerance.mode=per_step``), e.g. before
+        clipping them without a grad scaler; otherwise a no-op (DDP averaged them in the backward pass). A
+        registered optimizer's ``step()`` and grad scaler's ``unscale_()`` call it for you."""
+        if self.replica is not None:
+            self.replica.sync_gradients(self._modules())
+
     # -- before the first step --------------------------------------------------------------------------------
     def register(self, states: Optional[Mapping[str, Any]] = None, **named: Any) -> None:
         """Checkpoint these ``Stateful`` objects (``state_dict``/``load_state_dict``) under their names:
@@ -140,6 +171,11 @@ class Session:
                                "every state before session.restore() (or before iterating session.steps())")
         self.state.register({**(states or {}), **named})
         self.startup.mark("model")
+        if self.per_step and self.replica is None:
+            from orchestrator.ft.replica import ReplicaGroup, wrap_for_commit  # torchft: an optional extra
+
+            self.replica = ReplicaGroup(self.cfg, self.ctx, self.device, self.state, self._emit_group)
+            wrap_for_commit(self.state, self.replica)
         self._watch()
 
     def _watch(self) -> None:
@@ -147,7 +183,8 @@ class Session:
         SIGTERM before then (while joining the process group, say) keeps its default action."""
         if self.preemption is None:
             self.preemption = PreemptionResponse(self._preemption_cfg, self.ctx, self.run_dir, self.device,
-                                                 self.progress, self.checkpoints, self._emit)
+                                                 self.progress, self.checkpoints, self._emit,
+                                                 peers_hold_state=self._peers_hold_state)
 
     def fingerprint(self, settings: Mapping[str, Any]) -> None:
         """Keep a short hash of each of these settings (values that change the math but not the shapes: learning
@@ -162,12 +199,34 @@ class Session:
         step it holds, the number of steps already done (0: a fresh start). Every rank calls it."""
         if not self._restored:
             self._watch()
-            if self.checkpoints is not None:
+            if self.replica is not None and self._heal_from_peer():
+                pass  # a live replica group had the state: storage is not read
+            elif self.checkpoints is not None:
                 self.checkpoints.restore()
+                if self.replica is not None:
+                    self.replica.resume_at(self.progress.step)
             self._restored = True
             self.startup.mark("restore")
             self.metrics.start()
         return self.progress.step
+
+    def _heal_from_peer(self) -> bool:
+        """per_step: join the first quorum; a group that is behind a live peer loads its state there."""
+        self.replica.begin_step()
+        healed = self.replica.healed_from
+        return healed is not None and healed["step"] > 0
+
+    def _peers_hold_state(self) -> bool:
+        """per_step: other replica groups are in this step's quorum, so a noticed group leaves without saving."""
+        return self.replica is not None and self.replica.participants > 1
+
+    def _membership(self) -> tuple[int, int, int]:
+        """per_step: (world size, rank, data position) of the coming step, from its quorum."""
+        groups, group_rank = self.replica.membership()
+        size = self.ctx.world_size  # ranks per replica group
+        # A group that sits this step out (no participating rank) draws rank 0's samples; its gradients are
+        # zeroed by the all-reduce and its step counts for nothing.
+        return groups * size, (group_rank or 0) * size + self.ctx.rank, self.progress.samples_consumed
 
     def global_batch_sampler(self, dataset_len: int, global_batch: int, micro_batch: int, *,
                              seed: Optional[int] = None, drop_last: bool = True) -> GlobalBatchSampler:
@@ -179,7 +238,8 @@ class Session:
         self.restore()
         self.sampler = GlobalBatchSampler(dataset_len, global_batch, micro_batch, self.world_size, self.rank,
                                           seed=self.seed if seed is None else seed,
-                                          start_sample=self.progress.samples_consumed, drop_last=drop_last)
+                                          start_sample=self.progress.samples_consumed, drop_last=drop_last,
+                                          membership=self._membership if self.replica is not None else None)
         return self.sampler
 
     def steps(self) -> Iterator[int]:
@@ -188,10 +248,16 @@ class Session:
         self.restore()
         self._start()
         while self.progress.step < self.max_steps:
+            if self.replica is not None:
+                self.replica.begin_step()  # may heal: the step to train is known after the quorum
+                if self.progress.step >= self.max_steps:
+                    break
             step = self.progress.step + 1
             self._step_start = time.perf_counter()
             self.timer.mark()
             yield step
+            if self.replica is not None and self.progress.step == step - 1 and self._discarded:
+                continue  # a discarded step is trained again, with the same samples, in the next quorum
             if self.progress.step != step:
                 raise RuntimeError(f"session.steps() yielded step {step} but session.step_done() was called "
                                    f"{self.progress.step - step + 1} times for it. Fix: call it once at the end of "
@@ -223,6 +289,8 @@ class Session:
             raise RuntimeError("session.step_done() before restore(): a resumed run would train its steps again. Fix: "
                                "call session.restore() before the first step, or iterate session.steps()")
         self._start(late=True)
+        if self.replica is not None and not self._commit_step():
+            return
         if samples is None:
             samples = self.sampler.G if self.sampler is not None else 0
         p = self.progress
@@ -232,7 +300,7 @@ class Session:
             p.epoch = self.sampler.epoch_of(p.samples_consumed)
         self._attempt_steps += 1
         if self._attempt_steps == 1 and self.is_main:  # what recovery times (MTTR) end on
-            self._emit(EventName.FIRST_STEP, step=p.step, world_size=self.world_size,
+            self._emit(EventName.FIRST_STEP, step=p.step, world_size=self.ctx.job_world_size,
                        restart_count=self.ctx.restart_count)
         self.metrics.step_done(p.step, samples, time.perf_counter() - self._step_start, loss, metrics, self._fields)
         try:
@@ -245,6 +313,26 @@ class Session:
             self.checkpoints.maybe_save()
         self.timer.lap("checkpoint")
         self._step_start = time.perf_counter()
+
+    def _commit_step(self) -> bool:
+        """per_step: end this step's protocol; a step that did not commit everywhere is undone and redone."""
+        replica = self.replica
+        self._discarded = not replica.end_step(self._modules())
+        if self._discarded:
+            self._emit_group(EventName.STEP_DISCARDED, node=self.ctx.node, step=self.progress.step + 1,
+                             replicas=replica.participants, error=str(replica.manager.errored() or "")[:300])
+            return False
+        if replica.last_committed_participants != replica.participants:
+            self._emit_main(EventName.QUORUM_CHANGED, step=self.progress.step + 1, replicas=replica.participants,
+                            previous=replica.last_committed_participants,
+                            world_size=replica.participants * self.world_size)
+            replica.last_committed_participants = replica.participants
+        return True
+
+    @property
+    def committed(self) -> bool:
+        """Whether the last step counted (always, except a per_step step discarded by its quorum)."""
+        return not self._discarded
 
     def _fields(self) -> dict[str, Any]:
         """``lr`` (the first registered LR scheduler's, else optimizer's) and ``grad_scale`` (an enabled scaler's)."""
@@ -265,11 +353,13 @@ class Session:
             self.preemption.stop()
         if self.checkpoints is not None:
             self.checkpoints.finish()
+        if self.replica is not None:
+            self.replica.shutdown()
         result: dict[str, Any] = {"steps_completed": self.progress.step, "final_loss": self.metrics.last_loss}
         model = self.state.first_model()
         if model is not None:
             result["params_sha256"] = params_sha256(model)
-        result.update(world_size=self.world_size, progress=asdict(self.progress), **fields)
+        result.update(world_size=self.ctx.job_world_size, progress=asdict(self.progress), **fields)
         if self.is_main:
             self._emit(EventName.TRAINING_FINISHED, **result)
         self._close_trackers()

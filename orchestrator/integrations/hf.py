@@ -48,6 +48,7 @@ from orchestrator.elastic.metrics import flatten, progress_line
 from orchestrator.elastic.preemption import PreemptedExit, PreemptionResponse
 from orchestrator.elastic.session import open_trackers_rank0
 from orchestrator.elastic.state import Progress, params_sha256
+from orchestrator.errors import ConfigError
 from orchestrator.preemption.notices import SIGTERM_SOURCE
 from orchestrator.rundir import CONFIG_FILE, METRICS_FILE, EventLog, EventName, append_jsonl
 from orchestrator.runtime.distributed import DistContext
@@ -116,6 +117,9 @@ def orch_training_args(cfg: Optional[OrchConfig] = None, **kwargs: Any) -> Train
     if cfg is not None:
         t, ckpt = cfg.trainer, cfg.checkpoint
         world = int(os.environ.get("WORLD_SIZE", 1))
+        if ckpt.every_n_steps == "auto":  # the Trainer's save_steps is fixed when it is built
+            raise ConfigError("checkpoint.every_n_steps", "auto", "set a number of steps for transformers.Trainer",
+                              "is not supported by the transformers.Trainer integration")
         every = ckpt.every_n_steps if ckpt.every_n_steps > 0 else t.max_steps
         filled.update(output_dir=checkpoint_dir(cfg), max_steps=t.max_steps, save_strategy="steps", save_steps=every,
                       logging_steps=t.log_every, seed=t.seed, per_device_train_batch_size=t.micro_batch_size,

@@ -1,5 +1,5 @@
-"""Pod pieces every format shares: names, labels, the training container, resources, /dev/shm, spot placement,
-and the checks that refuse a config no cluster could run well.
+"""Pod pieces every format shares: labels, the training container, resources, /dev/shm, user volumes and
+secrets, placement and scheduling, and the checks that refuse a config no cluster could run well.
 
 Everything here is a pure function of the composed config: no cluster, no network, no clock, so the rendered
 manifests are byte-for-byte reproducible.
@@ -8,25 +8,21 @@ manifests are byte-for-byte reproducible.
 from __future__ import annotations
 
 import math
-import re
 from typing import Any, Iterable, Optional
 
 from orchestrator.checkpoint.storage import url_scheme
 from orchestrator.config.schema import OrchConfig
 from orchestrator.errors import ConfigError, Preempted, UserError
+from orchestrator.k8s.names import object_name
+from orchestrator.k8s.security import (HOME, WORKDIR, container_security_context, pod_security_context,
+                                       scratch_mounts, scratch_volumes)
 
 DEFAULT_STORE_PORT = 29400  # torchrun's customary c10d port
 POD_LOCAL_SCHEMES = ("file", "local", "memory")
 SHM_VOLUME = "dshm"
 PREEMPTED_EXIT = Preempted.exit_code  # 75: orch saved an emergency checkpoint and left; run it again
 USER_ERROR_EXIT = UserError.exit_code  # 2: a bad config or image fails the same way on every retry
-
-
-def object_name(cfg: OrchConfig) -> str:
-    """``k8s.name``, else ``orch-<preset>`` made a DNS label (lower case, ``_`` -> ``-``, at most 40 chars)."""
-    if cfg.k8s.name:
-        return cfg.k8s.name
-    return re.sub(r"[^a-z0-9-]+", "-", f"orch-{cfg.preset}".lower()).strip("-")[:40].rstrip("-")
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 
 def store_service(cfg: OrchConfig) -> str:
@@ -39,18 +35,37 @@ def store_port(cfg: OrchConfig) -> int:
 
 
 def labels(cfg: OrchConfig, component: str) -> dict[str, str]:
-    """Labels naming the run: every object and pod of one render carries the same instance label."""
-    return {"app.kubernetes.io/name": "orch", "app.kubernetes.io/instance": object_name(cfg),
+    """Labels naming the run: every object and pod of one render carries the same instance label, and
+    ``k8s.labels`` (orch's own keys win: selectors and the NetworkPolicy depend on them)."""
+    return {**{str(k): k8s_str(v) for k, v in cfg.k8s.labels.items()},
+            "app.kubernetes.io/name": "orch", "app.kubernetes.io/instance": object_name(cfg),
             "app.kubernetes.io/component": component, "orch/preset": cfg.preset}
+
+
+def annotations(cfg: OrchConfig) -> dict[str, str]:
+    return {str(k): k8s_str(v) for k, v in cfg.k8s.annotations.items()}
+
+
+def template_metadata(cfg: OrchConfig, component: str) -> dict[str, Any]:
+    """Metadata of a pod template: the run's labels, and ``k8s.annotations`` when there are any."""
+    meta: dict[str, Any] = {"labels": labels(cfg, component)}
+    if cfg.k8s.annotations:
+        meta["annotations"] = annotations(cfg)
+    return meta
 
 
 def selector(cfg: OrchConfig, component: str) -> dict[str, str]:
     return {"app.kubernetes.io/instance": object_name(cfg), "app.kubernetes.io/component": component}
 
 
-def metadata(cfg: OrchConfig, name: str, component: str) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "labels": labels(cfg, component)}
-    if cfg.k8s.namespace:
+def metadata(cfg: OrchConfig, name: str, component: str, workload: bool = False,
+             namespaced: bool = True) -> dict[str, Any]:
+    """Object metadata. The ``workload`` (the object a queue admits: Job, JobSet, TrainJob, ...) carries the
+    Kueue queue label."""
+    meta: dict[str, Any] = {"name": name, **template_metadata(cfg, component)}
+    if workload and cfg.k8s.queue:
+        meta["labels"][QUEUE_LABEL] = cfg.k8s.queue
+    if cfg.k8s.namespace and namespaced:
         meta["namespace"] = cfg.k8s.namespace
     return meta
 
@@ -66,11 +81,14 @@ def passthrough(overrides: Iterable[str], set_here: Iterable[str]) -> list[str]:
     return [o for o in overrides if override_key(o) not in own and override_key(o).split(".")[0] != "k8s"]
 
 
-def node_launch_args(cfg: OrchConfig, overrides: Iterable[str], node_index: str) -> list[str]:
+def node_launch_args(cfg: OrchConfig, overrides: Iterable[str], node_index: str,
+                     store_host: Optional[str] = None) -> list[str]:
     """``orch launch`` for the one node of a pod: the local launcher, dialing the job's store (never hosting
-    one), under the run id every pod shares. ``node_index`` is the pod's index, e.g. ``$(JOB_COMPLETION_INDEX)``."""
+    one), under the run id every pod shares. ``node_index`` is the pod's index, e.g. ``$(JOB_COMPLETION_INDEX)``;
+    ``store_host`` the store's DNS name when it is not the store Service's."""
     own = {"launcher": "local", "cluster.node_index": node_index, "rendezvous.external": "true",
-           "rendezvous.host": store_service(cfg), "rendezvous.port": str(store_port(cfg)), "run.id": object_name(cfg)}
+           "rendezvous.host": store_host or store_service(cfg), "rendezvous.port": str(store_port(cfg)),
+           "run.id": cfg.run.id}
     return ["launch", f"conf={cfg.preset}", *passthrough(overrides, own), *(f"{k}={v}" for k, v in own.items())]
 
 
@@ -106,23 +124,38 @@ def resources(cfg: OrchConfig) -> dict[str, Any]:
 def training_env(cfg: OrchConfig, extra: Optional[list[dict[str, Any]]] = None) -> list[dict[str, Any]]:
     """Environment of a training container. torchrun publishes the pod IP (``PET_LOCAL_ADDR``, its
     ``--local-addr``) as the address other pods dial for rank 0, so no pod needs a resolvable hostname."""
-    env: list[dict[str, Any]] = [
+    return [
         *(extra or []),
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "PET_LOCAL_ADDR", "value": "$(POD_IP)"},
-        {"name": "PYTHONUNBUFFERED", "value": "1"},
+        *user_env(cfg),
     ]
+
+
+def user_env(cfg: OrchConfig) -> list[dict[str, Any]]:
+    """What every container running orch gets: a writable HOME, ``k8s.env`` as values, and ``k8s.secrets`` as
+    references to Secrets (the cluster fills them in; their values never appear in the manifest)."""
+    env: list[dict[str, Any]] = [{"name": "HOME", "value": HOME}, {"name": "PYTHONUNBUFFERED", "value": "1"}]
     env += [{"name": str(name), "value": k8s_str(value)} for name, value in sorted(cfg.k8s.env.items())]
+    for name, ref in sorted(cfg.k8s.secrets.items()):
+        secret, _, key = str(ref).partition("/")
+        env.append({"name": str(name), "valueFrom": {"secretKeyRef": {"name": secret, "key": key or str(name)}}})
     return env
 
 
 def training_container(cfg: OrchConfig, name: str, args: list[str], env: list[dict[str, Any]],
                        command: Optional[list[str]] = None, extra_mounts: Optional[list[dict]] = None,
-                       res: Optional[dict[str, Any]] = None, ports: Optional[list[dict]] = None) -> dict[str, Any]:
+                       res: Optional[dict[str, Any]] = None, ports: Optional[list[dict]] = None,
+                       read_only_root: bool = True) -> dict[str, Any]:
+    """A container running orch: the image, env, resources, /dev/shm, scratch space, the user's volumes and
+    the security defaults (security.py)."""
     container: dict[str, Any] = {
         "name": name, "image": cfg.k8s.image, "imagePullPolicy": cfg.k8s.image_pull_policy,
         "env": env, "resources": res if res is not None else resources(cfg),
-        "volumeMounts": [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}, *(extra_mounts or [])],
+        "securityContext": container_security_context(read_only_root),
+        "volumeMounts": [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}, *scratch_mounts(), *user_mounts(cfg),
+                         *(extra_mounts or [])],
+        "workingDir": WORKDIR,
     }
     if command is not None:
         container["command"] = command
@@ -143,30 +176,68 @@ def shm_volume(cfg: OrchConfig) -> dict[str, Any]:
 
 def pod_spec(cfg: OrchConfig, containers: list[dict[str, Any]], restart_policy: Optional[str],
              spot: bool = True, extra_volumes: Optional[list[dict]] = None) -> dict[str, Any]:
-    """A pod spec for training containers: the grace period, /dev/shm, and (``spot``) the spot placement."""
+    """A pod spec for training containers: the grace period, /dev/shm, the user's volumes, and (``spot``) the
+    spot placement, on top of what every pod gets (``base_pod_spec``)."""
+    k = cfg.k8s
+    spec = base_pod_spec(cfg, containers, restart_policy, spot=spot)
+    spec["terminationGracePeriodSeconds"] = termination_grace_s(cfg)
+    spec["volumes"] = [shm_volume(cfg), *spec["volumes"], *user_volumes(cfg), *(extra_volumes or [])]
+    if k.service_account:
+        spec["serviceAccountName"] = k.service_account
+    return spec
+
+
+def base_pod_spec(cfg: OrchConfig, containers: list[dict[str, Any]], restart_policy: Optional[str],
+                  spot: bool = False) -> dict[str, Any]:
+    """What every pod of a run gets, the store's included: the security defaults and scratch volumes, and the
+    scheduling and placement keys (``spot``: the spot pool's too, for training pods only)."""
     k = cfg.k8s
     spec: dict[str, Any] = {
         "containers": containers,
         "enableServiceLinks": False,  # no <SERVICE>_PORT variables: Services named orch-* would add ORCH_* ones
-        "terminationGracePeriodSeconds": termination_grace_s(cfg),
-        "volumes": [shm_volume(cfg), *(extra_volumes or [])],
+        "securityContext": pod_security_context(),
+        "volumes": scratch_volumes(),
     }
     if restart_policy:
         spec["restartPolicy"] = restart_policy
-    if k.service_account:
-        spec["serviceAccountName"] = k.service_account
-    if spot and k.spot_node_selector:
-        spec["nodeSelector"] = {str(key): k8s_str(v) for key, v in k.spot_node_selector.items()}
-    if spot and k.spot_tolerations:
-        spec["tolerations"] = [_toleration(t) for t in k.spot_tolerations]
+    node_selector = {**k.node_selector, **(k.spot_node_selector if spot else {})}
+    if node_selector:
+        spec["nodeSelector"] = {str(key): k8s_str(v) for key, v in node_selector.items()}
+    tolerations = [_toleration("k8s.tolerations", t) for t in k.tolerations]
+    tolerations += [_toleration("k8s.spot_tolerations", t) for t in (k.spot_tolerations if spot else [])]
+    if tolerations:
+        spec["tolerations"] = tolerations
+    if k.priority_class:
+        spec["priorityClassName"] = k.priority_class
+    if k.scheduler_name:
+        spec["schedulerName"] = k.scheduler_name
+    if k.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": str(name)} for name in k.image_pull_secrets]
     return spec
 
 
-def _toleration(t: Any) -> dict[str, Any]:
+def _toleration(key: str, t: Any) -> dict[str, Any]:
     if not isinstance(t, dict):
-        raise ConfigError("k8s.spot_tolerations", t, "give each toleration as {key: ..., operator: Equal|Exists, "
+        raise ConfigError(key, t, "give each toleration as {key: ..., operator: Equal|Exists, "
                           "value: ..., effect: NoSchedule}", "holds an item that is not a mapping")
-    return {str(key): v if key == "tolerationSeconds" else k8s_str(v) for key, v in t.items()}
+    return {str(name): v if name == "tolerationSeconds" else k8s_str(v) for name, v in t.items()}
+
+
+def user_volumes(cfg: OrchConfig) -> list[dict[str, Any]]:
+    """``k8s.volumes``: a PersistentVolumeClaim, or an emptyDir when no claim is named."""
+    volumes = []
+    for v in cfg.k8s.volumes:
+        if v.get("claim"):
+            source = {"persistentVolumeClaim": {"claimName": v["claim"], **({"readOnly": True} if v.get("read_only") else {})}}
+        else:
+            source = {"emptyDir": {"sizeLimit": str(v["size"])} if v.get("size") else {}}
+        volumes.append({"name": v["name"], **source})
+    return volumes
+
+
+def user_mounts(cfg: OrchConfig) -> list[dict[str, Any]]:
+    return [{"name": v["name"], "mountPath": v["mount_path"], **({"readOnly": True} if v.get("read_only") else {})}
+            for v in cfg.k8s.volumes]
 
 
 def require_gpu_resource(cfg: OrchConfig) -> None:
@@ -179,17 +250,23 @@ def require_gpu_resource(cfg: OrchConfig) -> None:
                           f"is unset, but preset {cfg.preset!r} needs {gpus} GPU(s) per pod (cluster.device=cuda)")
 
 
-def is_pod_local(url: Optional[str]) -> bool:
-    """Whether checkpoints at ``url`` stay on one pod's disk (unset means ``<run dir>/checkpoints``)."""
-    return url is None or url_scheme(url) in POD_LOCAL_SCHEMES
+def is_pod_local(url: Optional[str], cfg: Optional[OrchConfig] = None) -> bool:
+    """Whether checkpoints at ``url`` stay on one pod's disk (unset means ``<run dir>/checkpoints``); a path on
+    a claim of ``k8s.volumes`` is shared (the claim must be ReadWriteMany for several pods)."""
+    if url is None or url_scheme(url) not in POD_LOCAL_SCHEMES:
+        return url is None
+    path = url.split("://", 1)[-1] if "://" in url else url
+    claims = [v["mount_path"].rstrip("/") for v in (cfg.k8s.volumes if cfg else []) if v.get("claim") and not v.get("read_only")]
+    return not any(path == m or path.startswith(m + "/") for m in claims)
 
 
 def require_shared_checkpoints(cfg: OrchConfig, pods: int, why: str) -> None:
     """Pods of one job must all reach the checkpoints: a replaced pod resumes from them."""
     url = cfg.checkpoint.url
-    if pods > 1 and is_pod_local(url):
+    if pods > 1 and is_pod_local(url, cfg):
         raise ConfigError("checkpoint.url", url,
                           f"put checkpoints on storage every pod reaches, e.g. checkpoint.url=s3://BUCKET/orch/{cfg.preset} "
-                          f"(credentials from the Secret named by k8s.checkpoint_secret)",
+                          f"(credentials from the Secret named by k8s.checkpoint_secret), or on a ReadWriteMany claim "
+                          f"of k8s.volumes (checkpoint.url=<its mount_path>/...)",
                           f"is {'unset (the run dir)' if url is None else 'on local disk'}, which the {pods} pods of "
                           f"this job ({why}) do not share: a pod that replaces a preempted one would not find them")

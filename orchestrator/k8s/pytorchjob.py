@@ -4,7 +4,9 @@ The operator creates the worker pods and restarts failed ones; ``elasticPolicy``
 (minReplicas/maxReplicas from ``cluster.nnodes``, maxRestarts from ``cluster.max_restarts``, c10d rendezvous).
 Its rendezvous endpoint is orch's store Service, not worker 0 (the operator's default, which would make
 worker 0 the one pod the job cannot lose); each worker runs the same ``orch launch`` for its one node as the
-job format does, with the node index from the operator's replica-index label.
+job format does, with the node index from the operator's replica-index label. With ``k8s.scheduler_name``
+set (e.g. volcano, with the operator's gang scheduling on), ``runPolicy.schedulingPolicy`` asks for MIN pods
+at once.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from orchestrator.config.schema import OrchConfig
-from orchestrator.k8s.pods import (labels, metadata, node_launch_args, object_name, pod_spec, require_gpu_resource,
-                                   require_shared_checkpoints, store_port, store_service, training_container,
-                                   training_env)
+from orchestrator.k8s.job import require_runnable
+from orchestrator.k8s.names import check_names, object_name
+from orchestrator.k8s.pods import (metadata, node_launch_args, pod_spec, store_port, store_service,
+                                   template_metadata, training_container, training_env)
 from orchestrator.k8s.store import store_objects
 from orchestrator.rendezvous.args import rendezvous_conf
 
@@ -25,25 +28,30 @@ INDEX_LABEL = "training.kubeflow.org/replica-index"
 
 def render_pytorchjob(cfg: OrchConfig, overrides: Sequence[str]) -> list[dict[str, Any]]:
     """Store Service + Deployment and the PyTorchJob."""
-    c = cfg.cluster
-    require_gpu_resource(cfg)
-    require_shared_checkpoints(cfg, c.max_nodes, f"cluster.nnodes={c.nnodes}")
+    c, k = cfg.cluster, cfg.k8s
+    require_runnable(cfg)
+    check_names(cfg, [object_name(cfg), store_service(cfg), f"{object_name(cfg)}-worker-{c.max_nodes - 1}"])
     index_env = {"name": "ORCH_NODE_INDEX", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{INDEX_LABEL}']"}}}
     container = training_container(cfg, CONTAINER, node_launch_args(cfg, overrides, "$(ORCH_NODE_INDEX)"),
                                    training_env(cfg, [index_env]), command=["orch"])
     conf = [dict(zip(("key", "value"), item.split("=", 1))) for item in rendezvous_conf(cfg).split(",")]
+    run_policy: dict[str, Any] = {"backoffLimit": k.backoff_limit, "cleanPodPolicy": "Running"}
+    if k.scheduler_name:
+        run_policy["schedulingPolicy"] = {"minAvailable": c.min_nodes,
+                                          **({"priorityClass": k.priority_class} if k.priority_class else {})}
     job = {
-        "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": metadata(cfg, object_name(cfg), COMPONENT),
+        "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+        "metadata": metadata(cfg, object_name(cfg), COMPONENT, workload=True),
         "spec": {
             "elasticPolicy": {"minReplicas": c.min_nodes, "maxReplicas": c.max_nodes, "maxRestarts": c.max_restarts,
                               "rdzvBackend": "c10d", "rdzvHost": store_service(cfg), "rdzvPort": store_port(cfg),
-                              "rdzvId": object_name(cfg), "rdzvConf": conf},
+                              "rdzvId": cfg.run.id, "rdzvConf": conf},
             "nprocPerNode": str(c.nproc_per_node),
-            "runPolicy": {"backoffLimit": cfg.k8s.backoff_limit, "cleanPodPolicy": "Running"},
+            "runPolicy": run_policy,
             "pytorchReplicaSpecs": {"Worker": {
                 "replicas": c.max_nodes,
                 "restartPolicy": "OnFailure",
-                "template": {"metadata": {"labels": labels(cfg, COMPONENT)}, "spec": pod_spec(cfg, [container], None)},
+                "template": {"metadata": template_metadata(cfg, COMPONENT), "spec": pod_spec(cfg, [container], None)},
             }},
         },
     }

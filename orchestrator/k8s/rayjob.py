@@ -4,7 +4,9 @@
 The head hosts the controller and the rendezvous store (``num-cpus: 0``, so no node agent lands there, and no
 spot placement: losing it ends the job). The worker group has one Ray node per orch node (replicas = MAX,
 minReplicas = MIN), spot-placed when configured; the controller places one node agent on each. The Ray
-launcher's run dir must be on storage every Ray pod sees: a ReadWriteMany claim mounted at /runs.
+launcher's run dir must be on storage every Ray pod sees: a ReadWriteMany claim mounted at /runs. Ray's
+processes write outside /tmp, so its pods keep a writable root filesystem (the other defaults of
+security.py apply). No NetworkPolicy: the store lives on the head, which KubeRay's job submitter must reach.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from typing import Any, Sequence
 
 from orchestrator.config.schema import OrchConfig
 from orchestrator.errors import ConfigError
-from orchestrator.k8s.pods import (gpus_per_pod, k8s_str, labels, metadata, object_name, passthrough, pod_spec,
-                                   require_gpu_resource, require_shared_checkpoints, training_container, training_env)
+from orchestrator.k8s.names import check_names, object_name
+from orchestrator.k8s.pods import (gpus_per_pod, metadata, passthrough, pod_spec, require_gpu_resource,
+                                   require_shared_checkpoints, template_metadata, training_container, training_env,
+                                   user_env)
 
 RUNS_MOUNT = "/runs"
 RUNS_VOLUME = "runs"
@@ -26,7 +30,7 @@ HEAD_PORTS = [{"name": "gcs", "containerPort": 6379}, {"name": "dashboard", "con
 
 def entrypoint(cfg: OrchConfig, overrides: Sequence[str]) -> str:
     """The command the RayJob runs on the head: the same preset and overrides, through the Ray launcher."""
-    own = {"launcher": "ray", "cluster.address": "auto", "run.id": object_name(cfg),
+    own = {"launcher": "ray", "cluster.address": "auto", "run.id": cfg.run.id,
            "run.dir": f"{RUNS_MOUNT}/{object_name(cfg)}"}
     return shlex.join(["orch", "launch", f"conf={cfg.preset}", *passthrough(overrides, own),
                        *(f"{k}={v}" for k, v in own.items())])
@@ -42,6 +46,8 @@ def render_rayjob(cfg: OrchConfig, overrides: Sequence[str]) -> list[dict[str, A
     """The RayJob, with its rayClusterSpec inline."""
     c, k = cfg.cluster, cfg.k8s
     require_gpu_resource(cfg)
+    # KubeRay names the cluster <rayjob>-<5 chars> and its head Service <cluster>-head-svc.
+    check_names(cfg, [object_name(cfg), f"{object_name(cfg)}-xxxxx-head-svc"])
     if not k.run_dir_claim:
         raise ConfigError("k8s.run_dir_claim", k.run_dir_claim, "name a ReadWriteMany PersistentVolumeClaim, e.g. "
                           "k8s.run_dir_claim=orch-runs", "is unset, but the Ray launcher's run dir must be on storage "
@@ -50,12 +56,11 @@ def render_rayjob(cfg: OrchConfig, overrides: Sequence[str]) -> list[dict[str, A
         require_shared_checkpoints(cfg, 1 + c.max_nodes, "a Ray head and its workers")
     runs = {"name": RUNS_VOLUME, "persistentVolumeClaim": {"claimName": k.run_dir_claim}}
     mount = [{"name": RUNS_VOLUME, "mountPath": RUNS_MOUNT}]
-    head_env = [{"name": "PYTHONUNBUFFERED", "value": "1"},
-                *({"name": str(n), "value": k8s_str(v)} for n, v in sorted(k.env.items()))]
-    head = training_container(cfg, "ray-head", [], head_env, extra_mounts=mount, res=HEAD_RESOURCES, ports=HEAD_PORTS)
-    worker = training_container(cfg, "ray-worker", [], training_env(cfg), extra_mounts=mount)
+    head = training_container(cfg, "ray-head", [], user_env(cfg), extra_mounts=mount, res=HEAD_RESOURCES,
+                              ports=HEAD_PORTS, read_only_root=False)
+    worker = training_container(cfg, "ray-worker", [], training_env(cfg), extra_mounts=mount, read_only_root=False)
     gpus = gpus_per_pod(cfg)
-    template = lambda component, spec: {"metadata": {"labels": labels(cfg, component)}, "spec": spec}  # noqa: E731
+    template = lambda component, spec: {"metadata": template_metadata(cfg, component), "spec": spec}  # noqa: E731
     cluster = {
         "rayVersion": k.ray_version,
         "enableInTreeAutoscaling": False,
@@ -70,8 +75,11 @@ def render_rayjob(cfg: OrchConfig, overrides: Sequence[str]) -> list[dict[str, A
             "template": template("ray-worker", pod_spec(cfg, [worker], None, extra_volumes=[runs])),
         }],
     }
+    meta = metadata(cfg, object_name(cfg), "trainer", workload=True)
+    if k.scheduler_name:  # KubeRay's batch-scheduler integration (gang scheduling of head and workers)
+        meta["labels"]["ray.io/scheduler-name"] = k.scheduler_name
     job = {
-        "apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": metadata(cfg, object_name(cfg), "trainer"),
+        "apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": meta,
         "spec": {
             "entrypoint": entrypoint(cfg, overrides),
             "shutdownAfterJobFinishes": True,

@@ -1,7 +1,9 @@
 """``orch k8s render``: the composed config of ``orch launch`` -> the objects of one format -> YAML.
 
 The output is deterministic (keys sorted, no timestamps, no cluster state), so checked-in manifests can be
-compared with a fresh render (tests/test_k8s_manifests.py) and reviewed as diffs.
+compared with a fresh render (tests/test_k8s_manifests.py) and reviewed as diffs. The one exception is the run
+id: unless ``run.id`` is given, each render draws a fresh one (so two renders never collide), and the header's
+command names it, so running that command again gives the same bytes.
 """
 
 from __future__ import annotations
@@ -16,12 +18,17 @@ import yaml
 from orchestrator.config.schema import OrchConfig
 from orchestrator.errors import ConfigError
 from orchestrator.k8s.job import render_job
+from orchestrator.k8s.jobset import render_jobset
+from orchestrator.k8s.names import new_run_id
 from orchestrator.k8s.pods import is_pod_local
 from orchestrator.k8s.pytorchjob import render_pytorchjob
 from orchestrator.k8s.rayjob import render_rayjob
+from orchestrator.k8s.trainjob import render_trainjob
 
 FORMATS: dict[str, Callable[[OrchConfig, Sequence[str]], list[dict[str, Any]]]] = {
     "job": render_job,
+    "jobset": render_jobset,
+    "trainjob": render_trainjob,
     "pytorchjob": render_pytorchjob,
     "rayjob": render_rayjob,
 }
@@ -65,13 +72,16 @@ def render(preset: str, overrides: Sequence[str], fmt: str) -> Rendered:
 
     check_format(fmt)
     cfg = compose_config(preset, overrides)
+    if not cfg.run.id:
+        cfg.run.id = new_run_id(preset)
+        overrides = [*overrides, f"run.id={cfg.run.id}"]
     command = shlex.join(["orch", "k8s", "render", f"conf={preset}", *overrides, "--format", fmt])
     return Rendered(fmt, command, FORMATS[fmt](cfg, list(overrides)), tuple(_warnings(cfg, fmt)))
 
 
 def _warnings(cfg: OrchConfig, fmt: str) -> list[str]:
     """What renders but will disappoint (several pods on pod-local checkpoints are refused outright)."""
-    if fmt != "rayjob" and cfg.cluster.max_nodes == 1 and is_pod_local(cfg.checkpoint.url):
+    if fmt != "rayjob" and cfg.cluster.max_nodes == 1 and is_pod_local(cfg.checkpoint.url, cfg):
         return [f"checkpoint.url={cfg.checkpoint.url!r} is on the pod's own disk: a pod that replaces a preempted one "
                 f"starts again from step 0. Fix: checkpoint.url=s3://BUCKET/orch/{cfg.preset} (or gs://...)"]
     return []

@@ -13,7 +13,8 @@ import threading
 from typing import Any, Callable
 
 from orchestrator.config.schema import OrchConfig
-from orchestrator.k8s.pods import labels, metadata, selector, store_port, store_service
+from orchestrator.k8s.pods import base_pod_spec, metadata, selector, store_port, store_service, template_metadata
+from orchestrator.k8s.security import container_security_context, scratch_mounts, store_network_policy
 
 COMPONENT = "rendezvous-store"
 
@@ -40,20 +41,35 @@ def serve_store(port: int, say: Callable[[str], None] = print, host: str = "0.0.
     return 0
 
 
-def store_objects(cfg: OrchConfig) -> list[dict[str, Any]]:
-    """A Service and a one-replica Deployment running ``orch rendezvous-store`` on the job's store port."""
-    name, port = store_service(cfg), store_port(cfg)
-    service = {
-        "apiVersion": "v1", "kind": "Service", "metadata": metadata(cfg, name, COMPONENT),
-        "spec": {"selector": selector(cfg, COMPONENT),
-                 "ports": [{"name": "c10d", "port": port, "targetPort": port, "protocol": "TCP"}]},
-    }
+def store_pod_template(cfg: OrchConfig, restart_policy: str | None = None) -> dict[str, Any]:
+    """The store's pod: ``orch rendezvous-store`` on the job's store port, ready once it accepts connections.
+    Not spot-placed: it keeps the rendezvous in memory."""
+    port = store_port(cfg)
     container = {
         "name": "store", "image": cfg.k8s.image, "imagePullPolicy": cfg.k8s.image_pull_policy,
         "command": ["orch"], "args": ["rendezvous-store", "--port", str(port)],
         "ports": [{"name": "c10d", "containerPort": port, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 2},
         "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "securityContext": container_security_context(),
+        "volumeMounts": scratch_mounts(),
+    }
+    return {"metadata": template_metadata(cfg, COMPONENT), "spec": base_pod_spec(cfg, [container], restart_policy)}
+
+
+def store_policy(cfg: OrchConfig) -> dict[str, Any]:
+    """The NetworkPolicy that admits only the run's own pods to its store."""
+    return store_network_policy(cfg, selector(cfg, COMPONENT), store_port(cfg), metadata(cfg, store_service(cfg), COMPONENT))
+
+
+def store_objects(cfg: OrchConfig) -> list[dict[str, Any]]:
+    """A Service, a one-replica Deployment running the store, and its NetworkPolicy. The Deployment is not
+    owned by the job (its uid is unknown when rendering): ``kubectl delete -f`` the file to remove both."""
+    name, port = store_service(cfg), store_port(cfg)
+    service = {
+        "apiVersion": "v1", "kind": "Service", "metadata": metadata(cfg, name, COMPONENT),
+        "spec": {"selector": selector(cfg, COMPONENT),
+                 "ports": [{"name": "c10d", "port": port, "targetPort": port, "protocol": "TCP"}]},
     }
     deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata(cfg, name, COMPONENT),
@@ -61,8 +77,7 @@ def store_objects(cfg: OrchConfig) -> list[dict[str, Any]]:
             "replicas": 1,
             "strategy": {"type": "Recreate"},  # never two stores: agents must all meet in the same one
             "selector": {"matchLabels": selector(cfg, COMPONENT)},
-            "template": {"metadata": {"labels": labels(cfg, COMPONENT)},
-                         "spec": {"containers": [container], "enableServiceLinks": False}},
+            "template": store_pod_template(cfg),
         },
     }
-    return [service, deployment]
+    return [store_policy(cfg), service, deployment]

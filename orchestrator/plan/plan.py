@@ -14,12 +14,14 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 from orchestrator.config.schema import OrchConfig
+from orchestrator.ft import ADDR_ENV, LIGHTHOUSE_ENV
 from orchestrator.preemption.notices import SIGTERM_NOTICE_ENV, SIGTERM_NOTICE_FILE
 from orchestrator.rendezvous.args import rendezvous_argv, rendezvous_conf, rendezvous_env
 from orchestrator.rundir import CONFIG_FILE, PLAN_FILE  # noqa: F401 (re-exported)
 from orchestrator.testcluster.state import ClusterState, NodeHost, enter_argv
 
 PORT_PLACEHOLDER = "<port chosen at launch>"
+LIGHTHOUSE_PLACEHOLDER = "<lighthouse chosen at launch>"
 FROM_ENVIRON: Any = object()  # build_plan's default devices: those this process's CUDA_VISIBLE_DEVICES lists
 
 
@@ -108,13 +110,16 @@ def entrypoint_argv(cfg: OrchConfig, run_dir: str) -> tuple[str, ...]:
 def torchrun_argv(cfg: OrchConfig, node: int, run_id: str, endpoint: str, run_dir: str,
                   python: str, local_addr: Optional[str] = None) -> tuple[str, ...]:
     c = cfg.cluster
+    # per_step: every node is a replica group of its own (one-node rendezvous, its own id per agent, given by
+    # the controller): losing a node never touches another node's group. The quorum across them is torchft's.
+    nnodes = "1" if cfg.fault_tolerance.mode == "per_step" else f"{c.min_nodes}:{c.max_nodes}"
     # On a test cluster the agent names its own host; rank 0's name becomes the workers' MASTER_ADDR.
     addr = (f"--local-addr={local_addr}",) if local_addr else ()
     # The role names the node, so torchrun's --tee prefixes each worker line with node and local rank
     # ("[node1-local0]:"); per-rank, per-attempt log files go under the run dir's logs/.
     return (
         python, "-m", "torch.distributed.run",
-        f"--nnodes={c.min_nodes}:{c.max_nodes}",
+        f"--nnodes={nnodes}",
         f"--nproc-per-node={c.nproc_per_node}",
         *rendezvous_argv(cfg, endpoint, run_id),
         f"--max-restarts={c.max_restarts}",
@@ -173,6 +178,16 @@ def node_env(cfg: OrchConfig, node: int, run_dir: str, run_id: str,
     return env
 
 
+def per_step_env(cfg: OrchConfig, lighthouse: Optional[str], address: str) -> dict[str, str]:
+    """fault_tolerance.mode=per_step: where the Lighthouse is, and the address this node's torchft Manager
+    and state server advertise (the run's secret is added when an agent starts, never in the plan)."""
+    if cfg.fault_tolerance.mode != "per_step":
+        return {}
+    # torchft's Rust side logs every quorum and commit at INFO: warnings and errors only, unless asked.
+    return {LIGHTHOUSE_ENV: lighthouse or LIGHTHOUSE_PLACEHOLDER, ADDR_ENV: address,
+            "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+
+
 def testcluster_env(host: NodeHost) -> dict[str, str]:
     """A test-cluster node's interface for gloo (and TensorPipe): traffic leaves through its own veth."""
     return {"GLOO_SOCKET_IFNAME": host.ifname, "TP_SOCKET_IFNAME": host.ifname, "ORCH_TESTCLUSTER_HOST": host.hostname}
@@ -180,13 +195,14 @@ def testcluster_env(host: NodeHost) -> dict[str, str]:
 
 def build_plan(cfg: OrchConfig, run_dir: str, run_id: str, store_port: Optional[int] = None,
                python: str = sys.executable, testcluster: Optional[ClusterState] = None,
-               devices: Optional[Sequence[str]] = FROM_ENVIRON) -> LaunchPlan:
+               devices: Optional[Sequence[str]] = FROM_ENVIRON, lighthouse: Optional[str] = None) -> LaunchPlan:
     """The plan for ``cfg``. ``store_port`` is known once the launcher hosts the store; a dry run has none.
     ``testcluster`` (the saved state of ``cluster.testcluster``, read by the caller) puts node i on its host i,
     with the store on the cluster's bridge address. ``devices``: the GPUs simulated CUDA nodes split (see
     :func:`node_gpus`); by default this process's ``CUDA_VISIBLE_DEVICES`` (unset: every device by index).
     The plan's env is orch's own per node; the driver's forwarded variables are added when an agent starts
-    (orchestrator/controller/agent_env.py), so no secret reaches ``plan.json``."""
+    (orchestrator/controller/agent_env.py), so no secret reaches ``plan.json``. ``lighthouse``: the torchft
+    Lighthouse's address (``fault_tolerance.mode=per_step``), known once the launcher hosts it."""
     if devices is FROM_ENVIRON:
         devices = visible_devices(os.environ)
     port = store_port or cfg.rendezvous.port or PORT_PLACEHOLDER
@@ -195,7 +211,8 @@ def build_plan(cfg: OrchConfig, run_dir: str, run_id: str, store_port: Optional[
     nodes = tuple(NodePlan(node=i, argv=torchrun_argv(cfg, i, run_id, endpoint, run_dir, python,
                                                       local_addr=host.hostname if host else None),
                            env={**node_env(cfg, i, run_dir, run_id, devices),
-                                **(testcluster_env(host) if host else {})},
+                                **(testcluster_env(host) if host else {}),
+                                **per_step_env(cfg, lighthouse, host.address if host else cfg.rendezvous.host)},
                            netns=host.netns if host else None, hostname=host.hostname if host else None,
                            address=host.address if host else None)
                   for i, host in zip(range(cfg.cluster.max_nodes), hosts))
@@ -206,6 +223,10 @@ def build_plan(cfg: OrchConfig, run_dir: str, run_id: str, store_port: Optional[
                 "grad_scaler": cfg.amp.enabled and cfg.amp.dtype == "fp16"},
         "checkpoint": {"url": ckpt.url or f"{run_dir}/checkpoints", "every_n_steps": ckpt.every_n_steps,
                        "keep_last": ckpt.keep_last, "async": ckpt.async_save, "resume": ckpt.resume},
+        "fault_tolerance": {"mode": cfg.fault_tolerance.mode,
+                            **({"heartbeat_timeout_ms": cfg.fault_tolerance.heartbeat_timeout_ms,
+                                "collective_timeout_s": cfg.fault_tolerance.collective_timeout_s}
+                               if cfg.fault_tolerance.mode == "per_step" else {})},
         "trainer": {"max_steps": cfg.trainer.max_steps, "global_batch_size": cfg.trainer.global_batch_size,
                     "micro_batch_size": cfg.trainer.micro_batch_size},
         "model": {"target": cfg.model.get("_target_")},

@@ -45,7 +45,7 @@ def world_size_history(events: list[dict[str, Any]]) -> list[int]:
 
 
 LOSS_EVENTS = ("chaos_kill", "node_lost", "chaos_partition")  # chaos_partition: orch testcluster partition
-STEP_EVENTS = ("recovered", "first_step")
+STEP_EVENTS = ("recovered", "first_step", "quorum_changed")  # quorum_changed: per_step survivors
 
 
 def recoveries(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from orchestrator.errors import EnvironmentMismatch
 
 
-@dataclass(frozen=True)
+@dataclass
 class DistContext:
     """Who this worker is, as torchrun's environment says (a lone process outside torchrun is rank 0 of 1)."""
 
@@ -39,9 +39,22 @@ class DistContext:
             node=int(env.get("ORCH_NODE", env.get("GROUP_RANK", 0))),
         )
 
+    replicas: int = 1
+    """Replica groups training together in this step (per_step: the quorum's size; restart mode: 1)."""
+    leader: bool = True
+    """Whether this worker's replica group leads the job's records (``fault_tolerance.mode=per_step``: every
+    node is a replica group with a rank 0 of its own, and the quorum's first participant writes the run's
+    metrics, events and checkpoints; restart mode: always)."""
+
+    @property
+    def job_world_size(self) -> int:
+        """Ranks training the job's global batch: this group's ranks times the replica groups."""
+        return self.world_size * self.replicas
+
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        """Rank 0 of the leading replica group: the worker that writes the run's records."""
+        return self.rank == 0 and self.leader
 
 
 def select_device(kind: str, local_rank: int) -> torch.device:

@@ -115,8 +115,18 @@ class Trainer:
         with anomaly:
             for step in session.steps():
                 loss, sample_ids = self.train_step(batches, sampler.accumulation_steps)
-                self._record_samples(step, sample_ids)
-                session.step_done(loss=loss, samples=t.global_batch_size)
+                if session.replica is None:
+                    self._record_samples(step, sample_ids)
+                    session.step_done(loss=loss, samples=t.global_batch_size)
+                    continue
+                # per_step: only a committed step is part of the lineage; its position and the rank's place
+                # in the job's world let an audit recompute what each rank had to draw.
+                start, world, rank = session.samples_consumed, sampler.W, sampler.r
+                try:
+                    session.step_done(loss=loss, samples=t.global_batch_size)
+                finally:
+                    if session.step == step:
+                        self._record_samples(step, sample_ids, start_sample=start, world_size=world, job_rank=rank)
         return session.finish()
 
     def train_step(self, batches, accumulation_steps: int) -> tuple[torch.Tensor, list[int]]:
@@ -145,10 +155,12 @@ class Trainer:
         self.timer.lap("optimizer")
         return total, sample_ids
 
-    def _record_samples(self, step: int, sample_ids: list[int]) -> None:
-        """With trainer.record_sample_ids, each rank logs which samples each step trained on (for audits)."""
+    def _record_samples(self, step: int, sample_ids: list[int], **per_step: Any) -> None:
+        """With trainer.record_sample_ids, each rank logs which samples each step trained on (for audits).
+        per_step: one file per replica group's rank (``node<N>-rank<R>``), with the step's data position."""
         if self.cfg.trainer.record_sample_ids and self.session.run_dir is not None:
-            path = Path(self.session.run_dir) / SAMPLES_DIR / f"rank{self.ctx.rank}.jsonl"
+            name = f"node{self.ctx.node}-rank{self.ctx.rank}" if per_step else f"rank{self.ctx.rank}"
+            path = Path(self.session.run_dir) / SAMPLES_DIR / f"{name}.jsonl"
             path.parent.mkdir(exist_ok=True)
             append_jsonl(path, {"step": step, "ids": sample_ids, "world_size": self.ctx.world_size,
-                                "restart_count": self.ctx.restart_count, "t": time.time()})
+                                "restart_count": self.ctx.restart_count, "t": time.time(), **per_step})

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from orchestrator.processes import NodeProcess, kill_tree, terminate_tree
+from orchestrator.ft import ADDR_ENV
 from orchestrator.controller.api import AgentSpec
 from orchestrator.controller.pools import DEATH_SIGNAL
 
@@ -66,6 +67,10 @@ class NodeAgent:
                 os.chdir(spec.cwd)
             argv = (sys.executable, "-c", DIE_WITH_PARENT, *spec.argv[1:])
             env = {**spec.env, PARENT_ENV: str(os.getpid())}
+            if ADDR_ENV in env:  # per_step: peers fetch this node's state at this machine's address
+                import ray
+
+                env[ADDR_ENV] = ray.util.get_node_ip_address()
             self._proc = NodeProcess(spec.node, argv, env, Path(spec.log_path), echo=None, on_line=self._watch)
         except BaseException as exc:
             failure.append(exc)

@@ -19,6 +19,7 @@ from typing import Optional, TextIO
 
 from orchestrator.config.schema import OrchConfig
 from orchestrator.errors import EnvironmentMismatch
+from orchestrator.ft.lighthouse import Lighthouse
 from orchestrator.plan.plan import PLAN_FILE, build_plan
 from orchestrator.rendezvous import RendezvousStore
 from orchestrator.controller.api import RunHooks
@@ -30,6 +31,7 @@ EMBEDDED_OBJECT_STORE_BYTES = 128 * 1024 * 1024  # orch passes no large objects;
 WORKING_DIR_EXCLUDES = (".git", ".hg", ".venv", "venv", "__pycache__", "*.pyc", ".pytest_cache", "/runs")
 RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 ABANDONED = False  # set by _abandon_ray: the CLI then leaves with os._exit (see orchestrator/cli.py)
+DASHBOARD_URL: Optional[str] = None  # the embedded Ray's dashboard (cluster.dashboard=true), once started
 
 
 def connect(cfg: OrchConfig) -> str:
@@ -48,9 +50,11 @@ def connect(cfg: OrchConfig) -> str:
     if not address:
         c = cfg.cluster
         logging.getLogger(RAY_AUTH_LOGGER).addFilter(_no_auth_enabled_notice)
+        global DASHBOARD_URL
         try:
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(c.max_nodes * c.cpus_per_node)),
-                     include_dashboard=False, object_store_memory=EMBEDDED_OBJECT_STORE_BYTES, **quiet)
+            context = ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(c.max_nodes * c.cpus_per_node)),
+                               include_dashboard=c.dashboard, object_store_memory=EMBEDDED_OBJECT_STORE_BYTES, **quiet)
+            DASHBOARD_URL = f"http://{context.dashboard_url}" if c.dashboard and context.dashboard_url else None
         except Exception as exc:
             raise EnvironmentMismatch(f"launcher=ray: the embedded Ray did not start ({type(exc).__name__}: {exc}). "
                                       "Fix: launcher=local runs without Ray; `orch doctor` checks the machine") from None
@@ -196,21 +200,26 @@ class RayLauncher:
         cfg = dataclasses.replace(self.cfg, rendezvous=dataclasses.replace(self.cfg.rendezvous, host=host))
         spread = c.placement == "spread" or (c.placement == "auto" and not self.embedded) or tc is not None
         store = RendezvousStore(host, cfg.rendezvous.port)
+        lighthouse = Lighthouse.for_run(cfg, host)  # per_step: beside the store, on the driver's node
         events = EventLog(self.run_dir)
         echo = LogEcho(self.run_dir / "logs", self.echo)
         pool = RayNodePool(c.cpus_per_node, c.gpus_per_agent, spread, c.max_nodes)
         hooks: RunHooks = RunHooks()
         try:
-            plan = build_plan(cfg, str(self.run_dir), self.run_id, store_port=store.port, testcluster=tc)
+            plan = build_plan(cfg, str(self.run_dir), self.run_id, store_port=store.port, testcluster=tc,
+                              lighthouse=lighthouse.address if lighthouse else None)
             (self.run_dir / PLAN_FILE).write_text(plan.to_json() + "\n")
             started = events.emit(EventName.LAUNCH_STARTED, preset=plan.preset, run_id=self.run_id, launcher="ray",
                                   nodes=c.max_nodes, rendezvous_endpoint=plan.rendezvous_endpoint, ray=self.ray_address,
                                   driver_ip=driver_ip, placement="spread" if spread else "pack",
-                                  **({"testcluster": tc.name} if tc else {}))
+                                  **({"testcluster": tc.name} if tc else {}),
+                                  **({"dashboard": DASHBOARD_URL} if self.embedded and DASHBOARD_URL else {}))
+            if self.embedded and DASHBOARD_URL and self.echo is not None:
+                print(f"[orch] Ray dashboard: {DASHBOARD_URL}", file=self.echo, flush=True)
             if tc:
                 hooks = self._testcluster_hooks(tc, events, started["t"], store.port)
             controller = Controller(cfg, plan, pool, events, evict=store.evict, notify=notice_sender(str(self.run_dir)),
-                                    hooks=hooks)
+                                    hooks=hooks, agent_env=lighthouse.agent_env if lighthouse else None)
             echo.start()
             return run_with_signals(controller, str(self.run_dir), self.cfg.preemption.schedule)
         finally:
@@ -219,6 +228,8 @@ class RayLauncher:
                 pool.close()
             hooks.close()
             echo.stop()
+            if lighthouse is not None:
+                lighthouse.close()
             store.close()
             if gone:
                 _abandon_ray()

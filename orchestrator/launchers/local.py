@@ -19,6 +19,7 @@ from orchestrator.controller.api import RunHooks
 from orchestrator.controller.controller import Controller, notice_sender, run_with_signals
 from orchestrator.controller.pools.local import LocalNodePool
 from orchestrator.plan.plan import PLAN_FILE, build_plan
+from orchestrator.ft.lighthouse import Lighthouse
 from orchestrator.rendezvous import RendezvousStore
 from orchestrator.rundir import EventLog, EventName
 from orchestrator.testcluster.state import state_for_launch
@@ -45,8 +46,10 @@ class LocalLauncher:
         tc, r = self.testcluster, self.cfg.rendezvous
         store = None if r.external else RendezvousStore(tc.bridge_address if tc else r.host, r.port)
         port = store.port if store else r.port
+        lighthouse = Lighthouse.for_run(self.cfg, tc.bridge_address if tc else r.host)
         events = EventLog(self.run_dir)
-        plan = build_plan(self.cfg, str(self.run_dir), self.run_id, store_port=port, testcluster=tc)
+        plan = build_plan(self.cfg, str(self.run_dir), self.run_id, store_port=port, testcluster=tc,
+                          lighthouse=lighthouse.address if lighthouse else None)
         (self.run_dir / PLAN_FILE).write_text(plan.to_json() + "\n")
         started = events.emit(EventName.LAUNCH_STARTED, preset=plan.preset, run_id=self.run_id, launcher="local",
                               nodes=len(self.node_ids), rendezvous_endpoint=plan.rendezvous_endpoint,
@@ -64,11 +67,13 @@ class LocalLauncher:
             pool = LocalNodePool(slots=2 * len(self.node_ids), echo=self.echo)
         controller = Controller(self.cfg, plan, pool, events, nodes=self.node_ids,
                                 evict=store.evict if store else None, notify=notice_sender(str(self.run_dir)),
-                                hooks=hooks, pod=self.pod)
+                                hooks=hooks, pod=self.pod, agent_env=lighthouse.agent_env if lighthouse else None)
         try:
             return run_with_signals(controller, str(self.run_dir), self.cfg.preemption.schedule)
         finally:
             pool.close()
             hooks.close()
+            if lighthouse is not None:
+                lighthouse.close()
             if store is not None:
                 store.close()

@@ -1,0 +1,29 @@
+"""Per-step fault tolerance (``fault_tolerance.mode=per_step``) on torchft.
+
+Each node is a replica group with its own torchrun rendezvous; a torchft Lighthouse in orch's driver
+(:mod:`~orchestrator.ft.lighthouse`) forms a quorum of the live groups at every step; every worker runs a
+torchft Manager (:mod:`~orchestrator.ft.replica`) that all-reduces gradients across the quorum, commits a step
+only when every participant finished it, and heals a new or returning group from a live peer over orch's
+authenticated, pickle-free transport (:mod:`~orchestrator.ft.transport`, :mod:`~orchestrator.ft.wire`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own: where a Manager finds the Lighthouse
+SECRET_ENV = "ORCH_FT_SECRET"  # the run's secret: a peer serves its state only to a caller that presents it
+ADDR_ENV = "ORCH_FT_ADDR"  # the address this node's state server and Manager advertise (and bind, where orch can)
+REPLICA_ENV = "ORCH_FT_REPLICA"  # this agent's replica id (node and agent incarnation)
+
+TORCHFT_REQUIREMENT = "torchft-nightly==2026.10.26"
+
+
+def torchft_problem() -> Optional[str]:
+    """Why torchft cannot be used here, or None."""
+    try:
+        import torchft  # noqa: F401
+        from torchft._torchft import LighthouseServer  # noqa: F401
+    except ImportError as exc:
+        return f"needs torchft ({TORCHFT_REQUIREMENT}), which is not importable here ({exc})"
+    return None

@@ -1,0 +1,203 @@
+"""fault_tolerance.mode=per_step (torchft): survivors never restart, a returning node heals from a live peer,
+and the committed lineage trains every sample once with a constant global batch."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchestrator.ft import torchft_problem
+from orchestrator.rundir import read_jsonl
+from orchestrator.runtime.sampler import GlobalBatchSampler
+from orchproc import run_orch, start_orch, stop_tree, summary, wait_for
+
+needs_torchft = pytest.mark.skipif(torchft_problem() is not None, reason=str(torchft_problem()))
+
+G, MICRO, SAMPLES = 24, 4, 480  # 20 steps per epoch
+
+
+def audit_samples(run_dir: Path, max_steps: int, seed: int = 0) -> dict[int, list[int]]:
+    """The committed lineage from every rank's records: each step's data position is the previous one plus
+    the global batch, each rank drew exactly what the sampler assigns its (world, rank) at that position, no two
+    ranks drew the same sample in a step, and each step's slice is the next G of the epoch's permutation.
+    Returns step -> the ids its records hold."""
+    records = [r for f in sorted((run_dir / "samples").glob("node*-rank*.jsonl")) for r in read_jsonl(f)]
+    by_step: dict[int, list[dict]] = defaultdict(list)
+    for r in records:
+        by_step[r["step"]].append(r)
+    assert sorted(by_step) == list(range(1, max_steps + 1)), "every step of the lineage was committed and recorded"
+    ids_by_step: dict[int, list[int]] = {}
+    for step, recs in by_step.items():
+        assert {r["start_sample"] for r in recs} == {(step - 1) * G}, f"step {step}: data position"
+        ids: list[int] = []
+        for r in recs:
+            expected = GlobalBatchSampler(SAMPLES, G, MICRO, r["world_size"], r["job_rank"], seed=seed,
+                                          start_sample=r["start_sample"])
+            it = iter(expected)
+            drawn = [i for _ in range(expected.accumulation_steps) for i in next(it)]
+            assert r["ids"] == drawn, f"step {step}: rank {r['job_rank']} of {r['world_size']} drew its share"
+            ids += r["ids"]
+        assert len(ids) == len(set(ids)), f"step {step}: no sample twice"
+        ids_by_step[step] = ids
+    return ids_by_step
+
+
+@needs_torchft
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_killed_node_returns_and_heals_from_a_peer_with_every_sample_once(tmp_path):
+    run_dir = tmp_path / "run"
+    steps = 500
+    proc = start_orch("launch", "conf=cpu_elastic", "launcher=local", "cluster.nnodes=1:2",
+                      "fault_tolerance.mode=per_step", f"trainer.max_steps={steps}", "trainer.log_every=1",
+                      "trainer.record_sample_ids=true", f"data.dataset.num_samples={SAMPLES}",
+                      "checkpoint.every_n_steps=50", f"run.dir={run_dir}", log=tmp_path / "orch.log")
+    try:
+        events = lambda: read_jsonl(run_dir / "events.jsonl")  # noqa: E731
+        wait_for(lambda: any(e["event"] == "quorum_changed" and e["replicas"] == 2 for e in events()), 180,
+                 "both replica groups in the quorum")
+        wait_for(lambda: any(m["step"] >= 40 for m in read_jsonl(run_dir / "metrics.jsonl")), 120, "step 40")
+        kill = run_orch("chaos", "kill-node", str(run_dir), "--node", "1", timeout=30)
+        assert kill.returncode == 0, kill.stderr
+        assert proc.wait(timeout=300) == 0, (tmp_path / "orch.log").read_text()[-3000:]
+    finally:
+        stop_tree(proc.pid)
+
+    evs = read_jsonl(run_dir / "events.jsonl")
+    kill_t = next(e["t"] for e in evs if e["event"] == "chaos_kill")
+    s = summary(run_dir)
+    assert s["status"] == "succeeded" and s["steps_completed"] == steps
+    # The survivor never restarted: one worker start per agent, no torchrun restart, no restore from storage.
+    assert not [e for e in evs if e["event"] == "restart"]
+    assert not [e for e in evs if e["event"] == "checkpoint_loaded"]
+    shrink = next(e for e in evs if e["event"] == "quorum_changed" and e["t"] > kill_t)
+    assert shrink["replicas"] == 1 and shrink["t"] - kill_t < 15, shrink
+    assert s["recoveries"] and s["recoveries"][0]["mttr_s"] < 15
+    # The returning node (a new agent for node 1) healed from node 0, bit-identical, without reading storage.
+    healed = [e for e in evs if e["event"] == "replica_healed" and e["t"] > kill_t]
+    assert healed, "the returning node healed from a peer"
+    h = healed[0]
+    assert h["node"] == 1 and h["source_node"] == 0 and h["checkpoint_read"] is False and h["step"] > 40
+    assert h["params_sha256"] == h["source_params_sha256"]
+    grown = [e for e in evs if e["event"] == "quorum_changed" and e["t"] > h["t"]]
+    assert grown and grown[0]["replicas"] == 2 and grown[0]["step"] == h["step"] + 1
+
+    ids_by_step = audit_samples(run_dir, steps)
+    kill_steps = {e["step"] for e in evs if e["event"] == "step_discarded"}
+    for step, ids in ids_by_step.items():
+        # Every rank's record of a committed step is there, except a rank killed between its all-reduce and
+        # its record (its samples still reached the committed gradient).
+        assert len(ids) == G or (step - 1 in kill_steps or step in kill_steps or len(ids) == G // 2), step
+    for epoch in range(steps * G // SAMPLES):
+        seen = sorted(i for step in range(epoch * 20 + 1, epoch * 20 + 21)
+                      for i in GlobalBatchSampler(SAMPLES, G, G, 1, 0, start_sample=(step - 1) * G).__iter__().__next__())
+        assert seen == list(range(SAMPLES)), f"epoch {epoch}: the lineage's slices cover every sample once"
+
+
+# -- the fast tier: wire format, transport, sampler, config and plan ------------------------------------------
+
+def test_wire_round_trips_a_training_state_without_pickle():
+    import pickle
+    import random
+
+    from orchestrator.ft.wire import WireError, decode, encode
+
+    model = torch.nn.Linear(4, 3)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    state = {"model": model.state_dict(), "optim": optim.state_dict(), "rng": random.getstate(),
+             "torch_rng": torch.get_rng_state(), "scale": float("inf"), "nested": (1, [2.5, None], {"k": "v"})}
+    back = decode(encode(state))
+    assert torch.equal(back["model"]["weight"], model.weight.detach())
+    assert list(back["optim"]["state"]) == [0, 1]  # int keys stay ints: the optimizer loads them
+    torch.optim.AdamW(torch.nn.Linear(4, 3).parameters()).load_state_dict(back["optim"])
+    assert back["rng"] == random.getstate() and back["scale"] == float("inf") and back["nested"] == (1, [2.5, None], {"k": "v"})
+    with pytest.raises(WireError):
+        encode({"f": lambda: 0})
+
+    class Boom:
+        def __reduce__(self):
+            return (print, ("pickled payload ran",))
+
+    with pytest.raises(WireError):
+        decode(pickle.dumps(Boom()))  # a pickle is refused, never loaded
+
+
+@needs_torchft
+def test_peer_transport_serves_only_with_the_run_secret_and_only_on_its_address():
+    from datetime import timedelta
+
+    from orchestrator.ft.transport import PeerStateTransport, fetch_refused
+
+    served = PeerStateTransport(timedelta(seconds=2), address="127.0.0.1", secret="s3cret")
+    peer = PeerStateTransport(timedelta(seconds=2), address="127.0.0.1", secret="s3cret")
+    stranger = PeerStateTransport(timedelta(seconds=2), address="127.0.0.1", secret="guess")
+    try:
+        assert served._server.server_address[0] == "127.0.0.1"
+        url = served.metadata()
+        served.send_checkpoint([1], 7, {"w": torch.arange(4.0)}, timedelta(seconds=2))
+        assert fetch_refused(f"{url}7") == 403
+        assert fetch_refused(f"{url}7", "guess") == 403
+        assert torch.equal(peer.recv_checkpoint(0, url, 7, timedelta(seconds=2))["w"], torch.arange(4.0))
+        with pytest.raises(Exception):
+            stranger.recv_checkpoint(0, url, 7, timedelta(seconds=2))
+        served.disallow_checkpoint()
+        assert fetch_refused(f"{url}7", "s3cret") == 409  # nothing staged: nothing served
+    finally:
+        for t in (served, peer, stranger):
+            t.shutdown()
+
+
+def test_sampler_follows_the_quorum_and_redoes_a_discarded_step():
+    """Steps at 2, 1, 1 (redo), 3 replica groups: each step's ranks together draw exactly its global slice."""
+    position = {"sample": 0}
+    plan = [(2, 2 * G), (1, G), (3, 0)]  # (groups, samples the step commits) per step; 0: discarded
+    drawn_per_step = []
+    for groups, advance in plan:
+        ids = []
+        for rank in range(groups):
+            s = GlobalBatchSampler(SAMPLES, G, MICRO, 1, 0, membership=lambda r=rank, w=groups: (w, r, position["sample"]))
+            it = iter(s)
+            ids += [i for _ in range(s.accumulation_steps) for i in next(it)]
+        drawn_per_step.append(ids)
+        position["sample"] += G if advance else 0
+    full = GlobalBatchSampler(SAMPLES, G, G, 1, 0)
+    it = iter(full)
+    first, second = next(it), next(it)
+    assert sorted(drawn_per_step[0]) == sorted(first)
+    assert sorted(drawn_per_step[1]) == sorted(second)
+    assert sorted(drawn_per_step[2]) == sorted(next(it))  # the third step: the next slice, at any quorum size
+
+
+def test_per_step_config_errors_name_key_value_and_fix(tmp_path):
+    done = run_orch("launch", "conf=cpu_elastic", "fault_tolerance.mode=per_step", "data.num_workers=2",
+                    f"run.dir={tmp_path / 'r'}")
+    if torchft_problem() is None:
+        assert done.returncode == 2 and "data.num_workers=2" in done.stderr and "Fix:" in done.stderr
+    else:
+        assert done.returncode == 2 and "fault_tolerance.mode" in done.stderr and "orch[ft]" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
+    bad = run_orch("launch", "conf=cpu_elastic", "fault_tolerance.mode=sometimes", f"run.dir={tmp_path / 'r'}")
+    assert bad.returncode == 2 and "fault_tolerance.mode='sometimes'" in bad.stderr and "per_step" in bad.stderr
+
+
+@needs_torchft
+def test_per_step_plan_gives_each_node_its_own_group_and_no_secret():
+    from orchestrator.config.compose import compose_config
+    from orchestrator.ft.lighthouse import Lighthouse
+    from orchestrator.plan.plan import build_plan
+
+    cfg = compose_config("cpu_elastic", ["fault_tolerance.mode=per_step", "launcher=local"])
+    lighthouse = Lighthouse(cfg, "127.0.0.1")
+    try:
+        plan = build_plan(cfg, "/tmp/x", "run1", store_port=1234, lighthouse=lighthouse.address)
+    finally:
+        lighthouse.close()
+    for node in plan.nodes:
+        assert "--nnodes=1" in node.argv and node.env["TORCHFT_LIGHTHOUSE"] == lighthouse.address
+    secret = lighthouse.agent_env["ORCH_FT_SECRET"]
+    assert len(secret) == 64 and secret not in plan.to_json()
