@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Optional
@@ -20,6 +21,7 @@ from orchestrator.preemption.notices import deliver_notice
 from orchestrator.rundir import NODES_FILE, EventLog, EventName, latest_launch
 
 AGENT_MODULE = "torch.distributed.run"
+TUNNEL_MODULE = "orchestrator.rendezvous.tunnel"  # what the controller runs in torchrun's place when the store is gated
 
 
 def node_pids(run_dir: str) -> dict[int, int]:
@@ -53,6 +55,15 @@ def _require_running(run_dir: str) -> Optional[str]:
     return str(started["run_id"]) if started and started.get("run_id") else None
 
 
+def _own_rdzv_id(arg: str, run_id: str) -> bool:
+    """``--rdzv-id=`` of the run: its id, a restart's ``<id>-<attempt>``, or a per_step replica group's
+    ``<id>[-<attempt>]-node<N>-a<agent>``."""
+    if not arg.startswith(f"--rdzv-id={run_id}"):
+        return False
+    rest = arg[len(f"--rdzv-id={run_id}"):]
+    return re.fullmatch(r"(-\d+)?(-node\d+-a\d+)?", rest) is not None
+
+
 def _agent_mismatch(pid: int, run_dir: str, run_id: Optional[str]) -> Optional[str]:
     """None when ``pid`` is a live torchrun agent of the run in ``run_dir``; else why not (for the message).
 
@@ -68,11 +79,9 @@ def _agent_mismatch(pid: int, run_dir: str, run_id: Optional[str]) -> Optional[s
     except psutil.AccessDenied:
         return "cannot be inspected (permission denied)"
     shown = " ".join(cmdline)[:80] or proc.name()
-    if AGENT_MODULE not in cmdline:
+    if not {AGENT_MODULE, TUNNEL_MODULE} & set(cmdline):  # torchrun, or torchrun behind orch's store tunnel
         return f"is not a torchrun agent ({shown!r})"
-    if run_id and any(a == f"--rdzv-id={run_id}" or (a.startswith(f"--rdzv-id={run_id}-")
-                                                      and a[len(f"--rdzv-id={run_id}-"):].isdigit())
-                      for a in cmdline):
+    if run_id and any(_own_rdzv_id(a, run_id) for a in cmdline):
         return None
     try:
         env_dir = proc.environ().get("ORCH_RUN_DIR")

@@ -72,9 +72,22 @@ def cmd_ckpt_list(args: argparse.Namespace) -> int:
 
 
 def cmd_ckpt_inspect(args: argparse.Namespace) -> int:
-    from orchestrator.checkpoint import format_checkpoint_detail
+    from orchestrator.checkpoint.inspect import inspect_checkpoint
+    from orchestrator.errors import UserError
 
-    print(format_checkpoint_detail(args.url))
+    text, problem = inspect_checkpoint(args.url)
+    print(text)
+    if problem is not None:
+        raise UserError(f"{text.splitlines()[0].removeprefix('checkpoint ')} is not a valid checkpoint: {problem}; "
+                        "load() skips it. Fix: resume from another step (`orch ckpt list` marks the valid ones)")
+    return 0
+
+
+def cmd_ckpt_export(args: argparse.Namespace) -> int:
+    from orchestrator.checkpoint.export import export_weights
+
+    step, count = export_weights(args.run_or_url, args.output, args.format, args.step)
+    print(f"wrote {args.output}: {count} tensors of the model at step {step}")
     return 0
 
 
@@ -138,7 +151,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_k8s_render(args: argparse.Namespace) -> int:
     from orchestrator.k8s import render, write
 
+    from orchestrator.errors import UserError
+
     preset, overrides = split_preset(args.overrides)
+    if args.output and os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise UserError(f"-o {args.output!r} is a file; -o names a directory (orch writes DIR/<format>.yaml into it). "
+                        f"Fix: -o {os.path.dirname(os.path.abspath(args.output))}, or another directory")
     rendered = render(preset, overrides, args.format)
     for warning in rendered.warnings:
         print(f"orch: warning: {warning}", file=sys.stderr)
@@ -151,9 +169,16 @@ def cmd_k8s_render(args: argparse.Namespace) -> int:
 
 
 def cmd_rendezvous_store(args: argparse.Namespace) -> int:
+    from orchestrator.errors import ConfigError
     from orchestrator.k8s.store import serve_store
 
-    return serve_store(args.port, say=lambda line: print(line, flush=True), host=args.host)
+    if not 0 <= args.port <= 65535:
+        raise ConfigError("--port", args.port, "use 0 (a free port) to 65535", "is not a TCP port")
+    try:
+        return serve_store(args.port, say=lambda line: print(line, flush=True), host=args.host)
+    except OSError as e:
+        raise ConfigError("--port", args.port, "stop what holds it or pick another port (0: a free one)",
+                          f"cannot be bound on {args.host} ({e.strerror or e})") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,9 +227,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = ckpt.add_parser("list", help="steps, sizes, validity and config fingerprints under URL")
     p.add_argument("url")
     p.set_defaults(func=cmd_ckpt_list)
-    p = ckpt.add_parser("inspect", help="files, checksums and metadata of URL/step_N (or the newest under URL)")
+    p = ckpt.add_parser("inspect", help="files, checksums and metadata of URL/step_N (or the newest under URL); "
+                        "exits 2 when load() would skip it")
     p.add_argument("url")
     p.set_defaults(func=cmd_ckpt_inspect)
+    p = ckpt.add_parser("export", help="the model weights alone of a run's (or URL's) newest valid checkpoint, "
+                        "as one safetensors file")
+    p.add_argument("run_or_url", metavar="RUN_OR_URL", help="a run dir or a checkpoint URL")
+    p.add_argument("--format", default="safetensors", help="safetensors (the only one)")
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="the file to write")
+    p.add_argument("--step", type=int, help="this step instead of the newest valid one")
+    p.set_defaults(func=cmd_ckpt_export)
 
     bench = sub.add_parser("bench", help="side-by-side measurements that print ratios").add_subparsers(
         dest="bench_command", required=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -17,18 +18,23 @@ from typing import Any, Optional, Sequence, TextIO
 from omegaconf import OmegaConf
 
 from orchestrator.config.schema import OrchConfig
-from orchestrator.errors import Interrupted, OrchError, Preempted, RunFailed
+from orchestrator.errors import ConfigError, Interrupted, OrchError, Preempted, RunFailed
 from orchestrator.lifecycle.record import record_launch
 from orchestrator.plan.plan import CONFIG_FILE, LaunchPlan, build_plan
 from orchestrator.plan.resources import check_local_resources
+from orchestrator.preflight import check_entrypoint, check_resume_step, check_store_port, make_run_dir, run_leases
 from orchestrator.report.progress import RunProgress
 from orchestrator.report.summary import write_summary
+from orchestrator.rundir import EventLog
 from orchestrator.testcluster.state import state_for_launch
 
 
 def resolve_run_dir(cfg: Any) -> str:
     """``run.dir`` if set, else ``runs/<preset>/<timestamp>``; returned absolute, as workers need it.
     ``cfg``: an OrchConfig, or the composed DictConfig before validation (see compose_for_launch)."""
+    if cfg.run.dir is not None and not str(cfg.run.dir).strip():
+        raise ConfigError("run.dir", cfg.run.dir, "give a path, or drop run.dir (null) for a new one under runs/",
+                          "is empty")
     path = cfg.run.dir or f"runs/{cfg.preset}/{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     return str(Path(path).resolve())
 
@@ -61,6 +67,31 @@ def preflight_checkpoints(cfg: OrchConfig) -> None:
         from orchestrator.checkpoint import preflight_storage
 
         preflight_storage(cfg.checkpoint.url)
+
+
+def preflight_launch(cfg: OrchConfig, store: bool = True) -> None:
+    """The entrypoint exists, the store port is free (``store``: the store is hosted here), a resume step
+    exists: each a ConfigError (exit 2) before anything is written, instead of a failure after agents start."""
+    check_entrypoint(cfg)
+    if store:
+        check_store_port(cfg)
+    check_resume_step(cfg, checkpoint_url(cfg))
+
+
+def _take_leases(cfg: OrchConfig, run_id: str):
+    """Create the run dir and take the run's leases (ConfigError naming the live run holding one); a run dir
+    created here is removed again when refused, so a refused launch leaves nothing behind."""
+    created = make_run_dir(cfg.run.dir)
+    events = EventLog(cfg.run.dir)
+    keeper = run_leases(cfg, run_id)
+    keeper.on_lost = lambda lease: events.emit("lease_lost", url=lease.url, setting=lease.setting,
+                                               holder=(lease.read() or lease).run_id)
+    try:
+        return keeper.acquire()
+    except BaseException:
+        if created:
+            shutil.rmtree(cfg.run.dir, ignore_errors=True)
+        raise
 
 
 STDOUT = "stdout"  # echo to whatever sys.stdout is when launch() is called (not when this module was imported)
@@ -102,6 +133,8 @@ def check_launchable(preset: str, overrides: Sequence[str]) -> tuple[OrchConfig,
     result = launch_config(cfg, dry_run=True)
     check_local_resources(result.plan, cfg.cluster)
     preflight_checkpoints(cfg)
+    preflight_launch(cfg, store=False)
+    run_leases(cfg, result.run_id).check()
     return cfg, result.run_id
 
 
@@ -127,14 +160,19 @@ def launch_config(cfg: OrchConfig, *, dry_run: bool = False, echo: Optional[Text
         return LaunchResult("dry-run", cfg.run.dir, run_id, plan=plan)
     check_local_resources(plan, cfg.cluster)
     preflight_checkpoints(cfg)
+    preflight_launch(cfg)
     # Live progress (tailing the run dir) shares the terminal with node output: launchers write through it.
     progress = RunProgress(cfg.run.dir, cfg.trainer.max_steps if cfg.entrypoint.builtin else None, echo) if echo else None
     echo = progress.echo if progress else echo
     launcher = _launcher(cfg, run_id, echo)  # the Ray launcher connects here: unreachable exits 2, no run dir
-    write_config(cfg, cfg.run.dir)
-    record_launch(cfg.run.dir, run_id, cfg.preset, overrides)
-    with progress or contextlib.nullcontext():
-        status = launcher.run()
+    leases = _take_leases(cfg, run_id)  # the first write: the run dir and its lease, nothing else yet
+    try:
+        write_config(cfg, cfg.run.dir)
+        record_launch(cfg.run.dir, run_id, cfg.preset, overrides)
+        with progress or contextlib.nullcontext():
+            status = launcher.run()
+    finally:
+        leases.release()
     summary = write_summary(cfg.run.dir)
     result = LaunchResult(status, cfg.run.dir, run_id, summary, plan)
     if status in ("succeeded", "stopped"):

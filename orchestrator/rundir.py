@@ -65,6 +65,8 @@ class EventName(StrEnum):
     QUORUM_CHANGED = "quorum_changed"  # the leader, at the first committed step of a new set of replica groups
     REPLICA_HEALED = "replica_healed"  # a group loaded a live peer's state (which one, at which step)
     STEP_DISCARDED = "step_discarded"  # a step that did not commit everywhere: redone with the same samples
+    STORE_CLIENT_REFUSED = "store_client_refused"  # a connection to the store without the run's secret
+    REPLICA_STARTED = "replica_started"  # a group's workers joined their own one-node rendezvous
     REPLICA_LEFT = "replica_left"  # a noticed group left at a step boundary, its peers holding the state
     TRAINING_FINISHED = "training_finished"
     WORKER_FAILED = "worker_failed"
@@ -105,14 +107,41 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def _iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    # Bytes, not text: one line of binary garbage (a foreign writer, a torn disk block) is skipped like a torn
+    # line instead of ending every reader with a UnicodeDecodeError.
     if not path.exists():
         return
-    with path.open() as f:
+    with path.open("rb") as f:
         for line in f:
             try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
                 continue
+            if isinstance(record, dict):
+                yield record
+
+
+def check_events(path: str | os.PathLike) -> None:
+    """UserError (exit 2) naming the first line of an events file that is not an event: not UTF-8 JSON, not
+    an object, or without ``"event"`` (a torn last line, left by a crash, is not an error). For commands that
+    read a run dir a person hands them; the run's own readers skip such lines."""
+    from orchestrator.errors import UserError
+
+    lines = Path(path).read_bytes().split(b"\n")
+    for number, line in enumerate(lines, 1):
+        last = number == len(lines) or (number == len(lines) - 1 and not lines[-1])
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            problem = None if isinstance(record, dict) and isinstance(record.get("event"), str) else 'has no "event"'
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            problem = "is not UTF-8 JSON" if isinstance(e, UnicodeDecodeError) else "is not JSON"
+            if last and isinstance(e, json.JSONDecodeError):
+                continue
+        if problem:
+            raise UserError(f"{path} line {number} {problem}: {line[:60]!r}. Fix: remove or repair that line "
+                            "(each line is one JSON event written by orch)")
 
 
 def write_json_atomic(path: str | os.PathLike, value: Any) -> None:
@@ -173,5 +202,5 @@ class EventLog:
 
 def latest_launch(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The events of the most recent ``launch_started`` on (a run dir may be launched again to resume)."""
-    starts = [i for i, e in enumerate(events) if e["event"] == EventName.LAUNCH_STARTED]
+    starts = [i for i, e in enumerate(events) if e.get("event") == EventName.LAUNCH_STARTED]
     return events[starts[-1]:] if starts else events

@@ -17,6 +17,7 @@ from orchproc import run_orch, start_orch, stop_tree, summary, wait_for
 needs_torchft = pytest.mark.skipif(torchft_problem() is not None, reason=str(torchft_problem()))
 
 G, MICRO, SAMPLES = 24, 4, 480  # 20 steps per epoch
+SECRET = "per-step-test-secret-3f9c2a"
 
 
 def audit_samples(run_dir: Path, max_steps: int, seed: int = 0) -> dict[int, list[int]]:
@@ -50,11 +51,12 @@ def audit_samples(run_dir: Path, max_steps: int, seed: int = 0) -> dict[int, lis
 @pytest.mark.timeout(420)
 def test_killed_node_returns_and_heals_from_a_peer_with_every_sample_once(tmp_path):
     run_dir = tmp_path / "run"
-    steps = 500
+    steps = 900
     proc = start_orch("launch", "conf=cpu_elastic", "launcher=local", "cluster.nnodes=1:2",
                       "fault_tolerance.mode=per_step", f"trainer.max_steps={steps}", "trainer.log_every=1",
                       "trainer.record_sample_ids=true", f"data.dataset.num_samples={SAMPLES}",
-                      "checkpoint.every_n_steps=50", f"run.dir={run_dir}", log=tmp_path / "orch.log")
+                      "checkpoint.every_n_steps=50", f"run.dir={run_dir}", log=tmp_path / "orch.log",
+                      env={"ORCH_RUN_SECRET": SECRET})
     try:
         events = lambda: read_jsonl(run_dir / "events.jsonl")  # noqa: E731
         wait_for(lambda: any(e["event"] == "quorum_changed" and e["replicas"] == 2 for e in events()), 180,
@@ -62,6 +64,15 @@ def test_killed_node_returns_and_heals_from_a_peer_with_every_sample_once(tmp_pa
         wait_for(lambda: any(m["step"] >= 40 for m in read_jsonl(run_dir / "metrics.jsonl")), 120, "step 40")
         kill = run_orch("chaos", "kill-node", str(run_dir), "--node", "1", timeout=30)
         assert kill.returncode == 0, kill.stderr
+        # The returning node healed and is in the quorum again; then node 0 (the survivor) gets a notice: it
+        # leaves at the next step boundary with nothing to save, node 1 holding the state.
+        wait_for(lambda: [e for e in events() if e["event"] == "replica_healed" and e["node"] == 1], 180,
+                 "node 1 healing from node 0")
+        wait_for(lambda: [e for e in events() if e["event"] == "quorum_changed" and e["replicas"] == 2
+                          and e["t"] > next(h["t"] for h in events() if h["event"] == "replica_healed" and h["node"] == 1)],
+                 60, "both groups in the quorum again")
+        preempt = run_orch("chaos", "preempt", str(run_dir), "--node", "0", "--grace", "30", timeout=60)
+        assert preempt.returncode == 0, preempt.stderr
         assert proc.wait(timeout=300) == 0, (tmp_path / "orch.log").read_text()[-3000:]
     finally:
         stop_tree(proc.pid)
@@ -84,6 +95,17 @@ def test_killed_node_returns_and_heals_from_a_peer_with_every_sample_once(tmp_pa
     assert h["params_sha256"] == h["source_params_sha256"]
     grown = [e for e in evs if e["event"] == "quorum_changed" and e["t"] > h["t"]]
     assert grown and grown[0]["replicas"] == 2 and grown[0]["step"] == h["step"] + 1
+
+    for f in run_dir.rglob("*"):  # the run's secret reached agents and workers, and nothing the run wrote
+        assert not f.is_file() or SECRET.encode() not in f.read_bytes(), f
+    assert SECRET not in (tmp_path / "orch.log").read_text()
+    left = [e for e in evs if e["event"] == "replica_left"]
+    assert left and left[0]["node"] == 0, "the noticed group left at a step boundary"
+    assert not [e for e in evs if e["event"] == "emergency_checkpoint"], "its peer held the state: nothing saved"
+    assert [e for e in evs if e["event"] == "node_preempted" and e["node"] == 0]
+    # Goodput splits the per_step costs out of the step windows.
+    assert {"quorum_wait_s", "healing_s", "discarded_s"} <= set(s["goodput"]["badput"])
+    assert s["goodput"]["badput"]["discarded_s"] > 0 and s["goodput"]["lost_steps"] == 0
 
     ids_by_step = audit_samples(run_dir, steps)
     kill_steps = {e["step"] for e in evs if e["event"] == "step_discarded"}
@@ -199,5 +221,24 @@ def test_per_step_plan_gives_each_node_its_own_group_and_no_secret():
         lighthouse.close()
     for node in plan.nodes:
         assert "--nnodes=1" in node.argv and node.env["TORCHFT_LIGHTHOUSE"] == lighthouse.address
-    secret = lighthouse.agent_env["ORCH_FT_SECRET"]
-    assert len(secret) == 64 and secret not in plan.to_json()
+    assert "ORCH_RUN_SECRET" not in plan.to_json()  # added by the controller when an agent starts
+
+
+@needs_torchft
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_users_script_on_the_elastic_api_runs_per_step_unchanged(tmp_path):
+    """examples/elastic_train.py (its own model, optimizer, DDP, LR schedule) as the entrypoint: two replica
+    groups form one quorum, and the run's records come from one leader."""
+    run_dir = tmp_path / "run"
+    done = run_orch("launch", "conf=cpu_elastic", "launcher=local", "cluster.nnodes=2", "fault_tolerance.mode=per_step",
+                    "entrypoint.script=examples/elastic_train.py", "trainer.max_steps=60", "trainer.log_every=10",
+                    f"run.dir={run_dir}", timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    s = summary(run_dir)
+    assert s["status"] == "succeeded" and s["steps_completed"] == 60
+    evs = read_jsonl(run_dir / "events.jsonl")
+    assert max(e["replicas"] for e in evs if e["event"] == "quorum_changed") == 2
+    assert len([e for e in evs if e["event"] == "training_finished"]) == 1
+    steps = [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    assert steps == sorted(set(steps)) and steps[-1] == 60, "one writer of metrics"

@@ -8,6 +8,8 @@ import base64
 import os
 import pickle
 import subprocess
+import sys
+import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -170,3 +172,93 @@ def test_a_port_in_use_is_an_error_not_a_shared_server():
             RendezvousStore("127.0.0.1", first.port)
     finally:
         first.close()
+
+
+# -- the gate: only a client holding the run's secret reaches the store -------------------------------------
+
+# An attacker's client, in a process of its own (another host on a test cluster): torch's TCPStore client
+# writes a pickled payload under the rendezvous key. Prints WROTE or REFUSED.
+ATTACKER = """
+import sys
+from datetime import timedelta
+from torch.distributed import TCPStore
+host, port, key, value = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+try:
+    TCPStore(host, port, is_master=False, timeout=timedelta(seconds=2)).set(key, value)
+    print("WROTE")
+except Exception as exc:
+    print("REFUSED", type(exc).__name__)
+"""
+
+# A client holding the secret (ORCH_RUN_SECRET in its environment), through orch's tunnel, as agents do.
+MEMBER = """
+import os, sys
+from datetime import timedelta
+from torch.distributed import TCPStore
+from orchestrator.rendezvous.gate import StoreTunnel
+tunnel = StoreTunnel((sys.argv[1], int(sys.argv[2])), os.environ["ORCH_RUN_SECRET"])
+TCPStore("127.0.0.1", tunnel.port, is_master=False, timeout=timedelta(seconds=10)).set("member", "was here")
+print("WROTE")
+"""
+
+
+def attack_gated_store(store: RendezvousStore, marker: Path, wrap=lambda argv: argv) -> str:
+    """Run the attacker against ``store``'s public address with an os.system payload; returns its verdict
+    after orch has read and evicted from the rendezvous state (which would run the payload, had it landed)."""
+    pickled, _ = payloads(marker)["os.system"]
+    argv = wrap([sys.executable, "-c", ATTACKER, store.host, str(store.port), rs.state_key(RUN),
+                 base64.b64encode(pickled).decode()])
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout.strip()
+    deadline = time.monotonic() + 10
+    while not store.gate.refused and time.monotonic() < deadline:  # the gate closes the connection, then counts
+        time.sleep(0.05)
+    assert store.state(RUN) is None, "nothing reached the store"
+    store.evict(RUN, 4242)
+    return out
+
+
+def test_a_gated_store_refuses_a_client_without_the_secret_and_serves_one_with_it(tmp_path):
+    from orchestrator.rendezvous.gate import new_run_secret
+
+    refused: list[str] = []
+    secret = new_run_secret()
+    store = RendezvousStore("127.0.0.1", 0, secret=secret, on_refused=refused.append)
+    try:
+        assert store.local_address[0] == "127.0.0.1" and store.local_address[1] != store.port
+        assert listening(store.local_address[1]) == [("127.0.0.1", store.local_address[1])]
+        verdict = attack_gated_store(store, tmp_path / "MARKER")
+        assert verdict.startswith("REFUSED") and refused and not (tmp_path / "MARKER").exists()
+        member = subprocess.run([sys.executable, "-c", MEMBER, store.host, str(store.port)], capture_output=True,
+                                text=True, timeout=60, env={**os.environ, "ORCH_RUN_SECRET": secret})
+        assert member.stdout.strip() == "WROTE", member.stderr[-2000:]
+        assert store.client().get("member") == b"was here"
+        wrong = subprocess.run([sys.executable, "-c", MEMBER, store.host, str(store.port)], capture_output=True,
+                               text=True, timeout=60, env={**os.environ, "ORCH_RUN_SECRET": "a guess"})
+        assert wrong.returncode != 0 and "WROTE" not in wrong.stdout
+    finally:
+        store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.testcluster(nodes=1)
+def test_on_a_test_host_a_client_without_the_secret_is_refused_and_the_payload_never_runs(testcluster, tmp_path):
+    from orchestrator.rendezvous.gate import new_run_secret
+    from orchestrator.testcluster.state import enter_argv
+
+    tc, secret, refused = testcluster, new_run_secret(), []
+    store = RendezvousStore(tc.store_address, 0, secret=secret, on_refused=refused.append)
+    on_host = lambda argv: list(enter_argv(tc.netns[0], tc.hostnames[0], argv))  # noqa: E731
+    try:
+        # The gate listens on the bridge only; the store itself on the driver's loopback, out of the host's reach.
+        assert listening(store.port) == [(tc.store_address, store.port)]
+        assert listening(store.local_address[1]) == [("127.0.0.1", store.local_address[1])]
+        verdict = attack_gated_store(store, tmp_path / "MARKER", on_host)
+        assert verdict.startswith("REFUSED") and not (tmp_path / "MARKER").exists()
+        assert refused and refused[0].startswith(tc.addresses[0] + ":"), refused
+        member = subprocess.run(on_host([sys.executable, "-c", MEMBER, store.host, str(store.port)]), capture_output=True,
+                                text=True, timeout=60, env={**os.environ, "ORCH_RUN_SECRET": secret})
+        assert member.stdout.strip() == "WROTE", member.stderr[-2000:]
+        assert store.client().get("member") == b"was here"
+    finally:
+        store.close()

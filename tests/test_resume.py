@@ -143,3 +143,11 @@ def test_model_that_does_not_fit_the_checkpoint_is_refused_with_its_keys(tmp_pat
                      "cluster.max_restarts=0", f"run.dir={run_dir}")
     assert again.returncode == 1
     assert "does not fit the model" in again.stderr and "shape changed (" in again.stderr and "embedding_norm.weight (64,)->(32,)" in again.stderr
+
+
+def test_killed_launch_resumes_bit_identical_with_safetensors(tmp_path):
+    assert_resumes_exactly(tmp_path, lambda run_dir: ["checkpoint.format=safetensors"])
+    newest = CheckpointManager(str(tmp_path / "resumed" / "checkpoints")).list()[-1]
+    assert newest.step == 150 and newest.url.endswith("step_000000150")
+    assert {"model.safetensors", "model.json"} <= set(CheckpointManager(newest.url.rsplit("/", 1)[0]).storage.list_files(
+        "step_000000150"))

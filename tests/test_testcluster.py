@@ -192,7 +192,7 @@ def test_a_cut_off_node_whose_agent_gave_up_gets_a_fresh_agent_once_healed(testc
     store = RendezvousStore(testcluster.store_address)
     events, t0 = EventLog(tmp_path), time.time()
     watch = ClusterWatch(testcluster.state, str(tmp_path), "rid", events, RendezvousConfig(), since=t0,
-                         store_port=store.port)
+                         store_address=store.local_address)
 
     def tick():
         watch._next_poll = 0.0

@@ -34,7 +34,13 @@ def format_checkpoint_list(url: str) -> str:
 
 
 def format_checkpoint_detail(url_or_step_url: str) -> str:
-    """Files, sizes, checksum results (ok/bad/missing) and metadata (JSON) of one checkpoint.
+    """The text of :func:`inspect_checkpoint` alone."""
+    return inspect_checkpoint(url_or_step_url)[0]
+
+
+def inspect_checkpoint(url_or_step_url: str) -> tuple[str, str | None]:
+    """Files, sizes, checksum results (ok/bad/missing), lineage and metadata of one checkpoint, and why
+    ``load()`` would skip it (None when it would load it: every check load makes, payloads read back too).
 
     Accepts ``URL/step_000000012`` or ``URL`` (then the newest ``step_N`` directory, valid or not). Every
     payload is read to verify its sha256. Raises UserError when there is no such checkpoint directory.
@@ -54,33 +60,33 @@ def format_checkpoint_detail(url_or_step_url: str) -> str:
     stepdir = step_dirname(step)
     present = storage.list_files(stepdir)
     lines = [f"checkpoint {storage.url_for(stepdir)}"]
-    if MANIFEST_NAME not in present:
-        lines.append("valid: no (no manifest.json: incomplete write, not a checkpoint)")
-        lines += [f"  {name}  {_human_bytes(size)}" for name, size in sorted(present.items())]
-        return "\n".join(lines)
+    problem = manager.verify(step)
     try:
         manifest = parse_manifest(storage.read_bytes(f"{stepdir}/{MANIFEST_NAME}"))
-    except ManifestError as e:
-        lines.append(f"valid: no ({e})")
-        return "\n".join(lines)
+    except (FileNotFoundError, ManifestError):
+        lines.append(f"valid: no ({problem})")
+        lines += [f"  {name}  {_human_bytes(size)}" for name, size in sorted(present.items())]
+        return "\n".join(lines), problem
     rows = [("file", "size", "sha256", "check")]
-    all_ok = True
     for fname, entry in manifest.files.items():
         if fname not in present:
             check = "missing"
         else:
             reason = check_checksum(manifest, fname, storage.read_bytes(f"{stepdir}/{fname}"))
             check = "ok" if reason is None else f"bad: {reason}"
-        all_ok = all_ok and check == "ok"
         rows.append((fname, _human_bytes(entry.size), entry.sha256[:16], check))
     lines.append(
-        f"step: {manifest.step}  format_version: {manifest.format_version}  "
-        f"created: {_fmt_time(manifest.created_t)}  valid: {'yes' if all_ok else 'no'}"
+        f"step: {manifest.step}  format_version: {manifest.format_version}  format: {manifest.format}  "
+        f"created: {_fmt_time(manifest.created_t)}  valid: {'yes' if problem is None else f'no ({problem})'}"
     )
+    if manifest.run_id is not None:
+        resumed = manifest.resumed_from
+        lines.append(f"run: {manifest.run_id}  lineage: {' > '.join(manifest.lineage)}  resumed from: "
+                     + (f"step {resumed.get('step')} of {resumed.get('run_id')}" if resumed else "-"))
     lines.append(_table(rows))
     lines.append("metadata:")
     lines.append(json.dumps(manifest.metadata, indent=2, sort_keys=True))
-    return "\n".join(lines)
+    return "\n".join(lines), problem
 
 
 def _split_step_url(url: str) -> tuple[str, int | None]:

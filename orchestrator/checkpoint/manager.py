@@ -4,9 +4,15 @@ Protocol (see :mod:`.manifest`): ``<url>/step_<N:09d>/`` holds one ``<name>.pt``
 with ``torch.save``, then ``manifest.json`` written last. On a filesystem with rename (local disk, NFS) the
 whole step is written as ``.step_<N>.tmp-<uuid>/`` and committed by renaming it to ``step_<N:09d>``; an
 existing step of the same number is renamed aside, replaced, then deleted, so a valid copy exists at every
-moment. On object stores a save is committed exactly when its manifest is written. Either way a writer killed
-at any point leaves the old set of checkpoints or the new one, plus at most one directory that every reader
-ignores (a temporary name, or a step directory without a manifest); a failed save removes its partial files.
+moment. On object stores a save is committed exactly when its manifest is written; a re-save of an existing
+step writes its payloads under new names beside the old ones, switches the manifest (one PUT), then deletes the
+old payloads. Either way a writer killed at any point leaves the old set of checkpoints or the new one, plus at
+most one directory or set of files that every reader ignores; a failed save removes its partial files.
+
+Payloads are ``torch.save`` files (``format="torch"``) or, with ``format="safetensors"``, per payload a
+safetensors file of its tensors and a JSON file of the rest (:func:`orchestrator.ft.wire.split`): read back
+without any unpickling. Manifests carry the writer's run id and lineage; retention deletes only checkpoints of
+its own lineage (see :meth:`CheckpointManager._prune`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import logging
 import re
 import threading
 import time
+import uuid
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -26,6 +33,7 @@ import torch
 from .errors import CheckpointError, CheckpointSetupError
 from .manifest import (
     MANIFEST_NAME,
+    PAYLOAD_FORMATS,
     FileEntry,
     Manifest,
     ManifestError,
@@ -42,8 +50,9 @@ from .storage import CheckpointStorage, list_tmp_dirs, step_dirname, tmp_dirname
 
 log = logging.getLogger(__name__)
 
-PAYLOAD_SUFFIX = ".pt"
 _PAYLOAD_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# <payload>[.r<tag>].<ext>: the tag marks files of a re-save on an object store, written beside the old ones.
+_PAYLOAD_FILE_RE = re.compile(r"^(?P<name>.+?)(?P<tag>\.r[0-9a-f]{8})?\.(?P<ext>pt|safetensors|json)$")
 
 EventHook = Callable[[str, dict], None]
 
@@ -60,6 +69,8 @@ class CheckpointInfo:
     total_bytes: int
     metadata: dict[str, Any] = field(default_factory=dict)
     created_t: float | None = None
+    run_id: str | None = None
+    lineage: tuple[str, ...] = ()
 
 
 @dataclass
@@ -69,6 +80,8 @@ class LoadedCheckpoint:
     step: int
     state: dict[str, Any]
     metadata: dict[str, Any]
+    run_id: str | None = None
+    lineage: tuple[str, ...] = ()
 
 
 _WRITE_FIX = "check that the URL is reachable and writable from this process (free space, permissions, credentials)"
@@ -91,6 +104,9 @@ class CheckpointManager:
     write in a background thread (at most one in flight) so the caller only waits for the copy to CPU.
     ``on_event(name, fields)``: called with ``checkpoint_saved`` / ``checkpoint_failed`` /
     ``checkpoint_skipped`` / ``checkpoint_retention_failed``; from the background thread for async saves.
+    ``run_id``: recorded in every manifest with the lineage (the run ids before it, from the checkpoint
+    :meth:`load` resumed from); retention then deletes only checkpoints of that lineage. None: no run id
+    (retention treats checkpoints without one as its own). ``format``: ``torch`` or ``safetensors``.
     Not thread-safe: call ``save``/``wait``/``load`` from one thread (the training loop).
     """
 
@@ -100,10 +116,19 @@ class CheckpointManager:
         keep_last: int = 3,
         async_save: bool = True,
         on_event: EventHook | None = None,
+        run_id: str | None = None,
+        format: str = "torch",
     ):
         if not isinstance(keep_last, int) or keep_last < 1:
             raise CheckpointSetupError(f"CheckpointManager keep_last={keep_last!r}", "must be an integer >= 1",
                                        "keep at least 1 checkpoint: keep_last=1 or more")
+        if format not in PAYLOAD_FORMATS:
+            raise CheckpointSetupError(f"CheckpointManager format={format!r}", "is not a checkpoint format",
+                                       f"use one of {', '.join(PAYLOAD_FORMATS)}")
+        self.run_id, self.format = run_id, format
+        self.lineage: tuple[str, ...] = (run_id,) if run_id else ()
+        self.resumed_from: dict[str, Any] | None = None
+        self._loading: set[int] = set()  # steps being read now: retention leaves them alone
         self.url = url
         self.keep_last = keep_last
         self.async_save = async_save
@@ -201,11 +226,7 @@ class CheckpointManager:
             if storage.has_rename:
                 manifest = self._write_and_rename(storage, step, stepdir, cpu_state, metadata)
             else:
-                # Object stores: no rename, so the manifest written last is the commit. A rewrite of an
-                # existing step must not leave the old manifest describing new payloads.
-                if storage.exists(stepdir):
-                    storage.remove(stepdir)
-                manifest = self._write_files(storage, step, stepdir, cpu_state, metadata)
+                manifest = self._write_in_place(storage, step, stepdir, cpu_state, metadata)
         except Exception as e:  # noqa: BLE001 - any failure must reach the caller, never vanish
             self._emit("checkpoint_failed", {
                 "step": step, "error": f"{type(e).__name__}: {e}", "async": is_async, "url": self.url,
@@ -225,20 +246,56 @@ class CheckpointManager:
         self._prune()
 
     def _write_files(self, storage: CheckpointStorage, step: int, dirname: str, cpu_state: dict,
-                     metadata: dict) -> Manifest:
-        """Serialize each payload into ``dirname``, then its manifest last; returns the manifest."""
+                     metadata: dict, tag: str = "") -> Manifest:
+        """Serialize each payload into ``dirname`` (file names carry ``tag``), then its manifest last.
+
+        On failure the payload files written so far are removed before the error propagates."""
         entries: dict[str, FileEntry] = {}
         storage.makedirs(dirname)
-        for name, obj in cpu_state.items():
-            buf = io.BytesIO()
-            torch.save(obj, buf)
-            data = buf.getbuffer()
-            fname = name + PAYLOAD_SUFFIX
-            entries[fname] = FileEntry(size=len(data), sha256=sha256_hex(data))
-            self._write_payload(storage, f"{dirname}/{fname}", data)
-            del data, buf
-        manifest = build_manifest(step, entries, metadata)
-        storage.write_bytes_atomic(f"{dirname}/{MANIFEST_NAME}", encode_manifest(manifest))
+        try:
+            for name, obj in cpu_state.items():
+                for ext, data in self._serialize(obj):
+                    fname = f"{name}{tag}.{ext}"
+                    entries[fname] = FileEntry(size=len(data), sha256=sha256_hex(data))
+                    self._write_payload(storage, f"{dirname}/{fname}", data)
+                    del data
+            manifest = build_manifest(step, entries, metadata, format=self.format, run_id=self.run_id,
+                                      lineage=self.lineage, resumed_from=self.resumed_from)
+            storage.write_bytes_atomic(f"{dirname}/{MANIFEST_NAME}", encode_manifest(manifest))
+        except BaseException:
+            for fname in entries:
+                _quietly(storage.remove_file, f"{dirname}/{fname}")
+            raise
+        return manifest
+
+    def _serialize(self, obj: Any) -> list[tuple[str, Any]]:
+        """(extension, bytes) of the files that hold one payload in this manager's format."""
+        if self.format == "safetensors":
+            from safetensors.torch import save as st_save
+
+            from orchestrator.ft.wire import split
+
+            skeleton, tensors = split(obj)
+            return [("safetensors", st_save(tensors)), ("json", json.dumps(skeleton, separators=(",", ":")).encode())]
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return [("pt", buf.getbuffer())]
+
+    def _write_in_place(self, storage: CheckpointStorage, step: int, stepdir: str, cpu_state: dict,
+                        metadata: dict) -> Manifest:
+        """Object stores: no rename, so the manifest written last is the commit. A new step that fails is
+        removed whole. A re-save never deletes the committed step first: its payloads go under new names beside
+        the old ones, the manifest is switched to them, and only then are the old payloads deleted."""
+        if not storage.list_files(stepdir):
+            try:
+                return self._write_files(storage, step, stepdir, cpu_state, metadata)
+            except BaseException:
+                _quietly(storage.remove, stepdir)
+                raise
+        manifest = self._write_files(storage, step, stepdir, cpu_state, metadata, tag=f".r{uuid.uuid4().hex[:8]}")
+        for fname in storage.list_files(stepdir):
+            if fname != MANIFEST_NAME and fname not in manifest.files:
+                _quietly(storage.remove_file, f"{stepdir}/{fname}")
         return manifest
 
     def _write_payload(self, storage: CheckpointStorage, relpath: str, data: memoryview) -> None:
@@ -257,10 +314,7 @@ class CheckpointManager:
             manifest = self._write_files(storage, step, tmp, cpu_state, metadata)
             storage.commit_dir(tmp, stepdir)
         except BaseException:
-            try:
-                storage.remove(tmp)
-            except Exception:  # noqa: BLE001 - the original error is the one to report
-                log.exception("could not remove partial checkpoint %s", storage.url_for(tmp))
+            _quietly(storage.remove, tmp)
             raise
         return manifest
 
@@ -283,18 +337,23 @@ class CheckpointManager:
 
     # -- retention --------------------------------------------------------------------------------
     def _prune(self) -> None:
-        """Keep the ``keep_last`` newest valid checkpoints; drop older valid ones, and incomplete or temporary
-        directories older than the newest valid one. Failures warn (the new checkpoint is committed)."""
+        """Keep the ``keep_last`` newest valid checkpoints of this manager's lineage; drop its older valid ones,
+        and incomplete or temporary directories older than the newest valid one. Never deleted: a checkpoint
+        another run wrote (a run id outside the lineage), the newest valid one, one being loaded. Failures warn
+        (the new checkpoint is committed)."""
         try:
             infos = self.list()
             valid = [i.step for i in infos if i.valid]
             if not valid:
                 return
-            keep = set(valid[-self.keep_last:])
+            own = [i.step for i in infos if i.valid and self._own(i)]
+            keep = set(own[-self.keep_last:]) | self._loading
             newest = valid[-1]
             for info in infos:
-                doomed = (info.valid and info.step not in keep) or (not info.valid and info.step < newest)
-                if doomed and info.step != newest:
+                if info.step == newest or info.step in keep:
+                    continue
+                if (info.valid and self._own(info)) or (not info.valid and info.step < newest
+                                                        and (info.run_id is None or self._own(info))):
                     self.storage.remove(step_dirname(info.step))
             for step, name in list_tmp_dirs(self.storage):  # left by writers that died before their commit
                 if step < newest:
@@ -303,6 +362,11 @@ class CheckpointManager:
             msg = f"checkpoint retention under {self.url} failed: {type(e).__name__}: {e}"
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
             self._emit("checkpoint_retention_failed", {"error": msg, "url": self.url})
+
+    def _own(self, info: CheckpointInfo) -> bool:
+        """Whether ``info`` was written by this lineage (checkpoints without a run id belong to a manager
+        without one: the behavior before run ids existed)."""
+        return info.run_id in self.lineage if info.run_id is not None else self.run_id is None
 
     # -- listing ----------------------------------------------------------------------------------
     def list(self) -> list[CheckpointInfo]:
@@ -324,7 +388,8 @@ class CheckpointManager:
             total = manifest.total_bytes if manifest else sum(present.values())
             meta = manifest.metadata if manifest else {}
             created = manifest.created_t if manifest else None
-            return CheckpointInfo(step, url, False, reason, total, meta, created), None
+            run_id, lineage = (manifest.run_id, manifest.lineage) if manifest else (None, ())
+            return CheckpointInfo(step, url, False, reason, total, meta, created, run_id, lineage), None
 
         if MANIFEST_NAME not in present:
             return invalid("no manifest.json (incomplete write)")
@@ -339,7 +404,8 @@ class CheckpointManager:
         reason = check_sizes(manifest, present)
         if reason:
             return invalid(reason, manifest)
-        info = CheckpointInfo(step, url, True, None, manifest.total_bytes, manifest.metadata, manifest.created_t)
+        info = CheckpointInfo(step, url, True, None, manifest.total_bytes, manifest.metadata, manifest.created_t,
+                              manifest.run_id, manifest.lineage)
         return info, manifest
 
     # -- load -------------------------------------------------------------------------------------
@@ -359,22 +425,53 @@ class CheckpointManager:
                 fix = (f"load one of the steps there ({', '.join(map(str, steps[-10:]))}), or load() with no step "
                        "for the newest valid one") if steps else "check the URL: nothing was saved under it"
                 raise CheckpointError(f"no checkpoint at step {step} under {self.url}. Fix: {fix}")
+            reason, loaded = self._try_load(step)
+            if loaded is None:
+                raise CheckpointError(f"checkpoint {self.storage.url_for(step_dirname(step))} is not valid: "
+                                      f"{reason}. Fix: {_INVALID_FIX}")
+            return self._adopt(loaded)
+        # Another writer may commit newer steps and delete older ones while this loop runs: steps that vanished
+        # are not corrupt (no skip event), and the listing is taken again until no untried step is left.
+        tried: set[int] = set()
+        for _ in range(5):
+            candidates = [c for c in reversed(self.storage.list_steps()) if c not in tried]
+            if not candidates:
+                break
+            for candidate in candidates:
+                tried.add(candidate)
+                reason, loaded = self._try_load(candidate)
+                if loaded is not None:
+                    return self._adopt(loaded)
+                if self.storage.exists(step_dirname(candidate)):
+                    self._skip(self._inspect(candidate)[0], reason)
+        return None
+
+    def verify(self, step: int) -> str | None:
+        """Why :meth:`load` would skip checkpoint ``step`` (everything it checks, payloads deserialized too),
+        or None when it would load it."""
+        self._join()
+        return self._try_load(step)[0]
+
+    def _try_load(self, step: int) -> tuple[str | None, LoadedCheckpoint | None]:
+        self._loading.add(step)
+        try:
             info, manifest = self._inspect(step)
             if manifest is None:
-                raise CheckpointError(f"checkpoint {info.url} is not valid: {info.reason}. Fix: {_INVALID_FIX}")
-            try:
-                return self._read(manifest)
-            except _Unreadable as e:
-                raise CheckpointError(f"checkpoint {info.url} is not valid: {e}. Fix: {_INVALID_FIX}") from e
-        for candidate in reversed(self.storage.list_steps()):
-            info, manifest = self._inspect(candidate)
-            try:
-                if manifest is None:
-                    raise _Unreadable(info.reason)
-                return self._read(manifest)
-            except _Unreadable as e:
-                self._skip(info, str(e))
-        return None
+                return info.reason, None
+            return None, self._read(manifest)
+        except _Unreadable as e:
+            return str(e), None
+        finally:
+            self._loading.discard(step)
+
+    def _adopt(self, loaded: LoadedCheckpoint) -> LoadedCheckpoint:
+        """This manager's later saves descend from ``loaded``: its lineage, then this run."""
+        if self.run_id is not None:
+            ancestors = tuple(r for r in loaded.lineage if r != self.run_id)
+            self.lineage = (*ancestors, self.run_id)
+            if loaded.run_id != self.run_id:
+                self.resumed_from = {"run_id": loaded.run_id, "step": loaded.step}
+        return loaded
 
     def _skip(self, info: CheckpointInfo, reason: str) -> None:
         warnings.warn(f"skipping checkpoint {info.url}: {reason}", RuntimeWarning, stacklevel=3)
@@ -394,13 +491,20 @@ class CheckpointManager:
                 raise _Unreadable(reason)
             blobs[fname] = data
         state = {}
+        files_of: dict[str, dict[str, bytes]] = {}
         for fname, data in blobs.items():
-            name = fname[: -len(PAYLOAD_SUFFIX)] if fname.endswith(PAYLOAD_SUFFIX) else fname
+            match = _PAYLOAD_FILE_RE.match(fname)
+            if match is None:
+                raise _Unreadable(f"{fname} is not a payload file name")
+            files_of.setdefault(match["name"], {})[match["ext"]] = data
+        for name, files in files_of.items():
             try:
-                state[name] = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+                state[name] = _deserialize(manifest.format, files)
             except Exception as e:  # noqa: BLE001 - UnpicklingError, RuntimeError: refuse, never run code
-                raise _Unreadable(f"{fname} cannot be loaded with weights_only=True ({type(e).__name__})") from e
-        return LoadedCheckpoint(step=manifest.step, state=state, metadata=dict(manifest.metadata))
+                raise _Unreadable(f"payload {name!r} cannot be read back safely ({type(e).__name__}: "
+                                  f"{str(e)[:200]})") from e
+        return LoadedCheckpoint(step=manifest.step, state=state, metadata=dict(manifest.metadata),
+                                run_id=manifest.run_id, lineage=manifest.lineage)
 
     # -- events -----------------------------------------------------------------------------------
     def _emit(self, name: str, fields: dict) -> None:
@@ -412,12 +516,32 @@ class CheckpointManager:
             log.exception("checkpoint event listener failed on %s", name)
 
 
+def _deserialize(fmt: str, files: dict[str, bytes]) -> Any:
+    """One payload from its files: ``torch.load(weights_only=True)``, or safetensors + JSON (no unpickling)."""
+    if fmt == "safetensors":
+        from safetensors.torch import load as st_load
+
+        from orchestrator.ft.wire import join
+
+        return join(json.loads(files["json"]), st_load(files["safetensors"]))
+    return torch.load(io.BytesIO(files["pt"]), weights_only=True, map_location="cpu")
+
+
+def _quietly(remove: Callable[[str], None], relpath: str) -> None:
+    """Clean up after a failed save; the save's own error is the one to report."""
+    try:
+        remove(relpath)
+    except Exception:  # noqa: BLE001
+        log.exception("could not remove partial checkpoint file(s) %s", relpath)
+
+
 def _check_payload_names(state: dict) -> None:
     if not isinstance(state, dict) or not state:
         raise CheckpointError("checkpoint state must be a non-empty dict of payload name -> object, e.g. "
                               "{'model': model.state_dict()}")
     for name in state:
-        if not isinstance(name, str) or not _PAYLOAD_NAME_RE.match(name) or name + PAYLOAD_SUFFIX == MANIFEST_NAME:
+        if (not isinstance(name, str) or not _PAYLOAD_NAME_RE.match(name) or name == "manifest"
+                or _PAYLOAD_FILE_RE.match(f"{name}.pt")["name"] != name):
             raise CheckpointError(
                 f"checkpoint payload name {name!r} is not usable as a file name. Fix: name payloads with letters, "
                 "digits, _ . - that start with a letter or digit"

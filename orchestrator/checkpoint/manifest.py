@@ -1,7 +1,10 @@
 """The checkpoint manifest: what makes a ``step_N`` directory a checkpoint.
 
 ``manifest.json`` is written LAST, after every payload file. It lists each file with its size and sha256,
-plus ``step``, ``format_version``, ``created_t`` and a caller-supplied JSON ``metadata`` dict. A directory
+plus ``step``, ``format_version``, ``created_t`` and a caller-supplied JSON ``metadata`` dict, and (optional, so
+older manifests still parse) the payload ``format`` (``torch`` or ``safetensors``), the ``run_id`` that wrote it
+and its ``lineage``: the run ids it descends from, oldest first, ending with its own, and ``resumed_from``
+(``{"run_id", "step"}`` of the checkpoint its run resumed from, or null). Retention reads the lineage. A directory
 without a parseable manifest is not a checkpoint (a writer died before committing). A checkpoint is *valid*
 when every listed file exists with the listed size; checksums are checked when payloads are read, because
 reading every byte just to list checkpoints would be too slow on an object store.
@@ -11,12 +14,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
+PAYLOAD_FORMATS = ("torch", "safetensors")
+_LATEST_T = 4102444800.0  # 2100-01-01: a created_t beyond it is not a time this manifest was written at
 
 
 class ManifestError(ValueError):
@@ -40,6 +46,10 @@ class Manifest:
     created_t: float
     files: dict[str, FileEntry]
     metadata: dict[str, Any] = field(default_factory=dict)
+    format: str = "torch"
+    run_id: str | None = None
+    lineage: tuple[str, ...] = ()
+    resumed_from: dict[str, Any] | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -53,15 +63,18 @@ def sha256_hex(data: bytes | memoryview) -> str:
 
 
 def build_manifest(
-    step: int, files: Mapping[str, FileEntry], metadata: Mapping[str, Any], created_t: float | None = None
+    step: int, files: Mapping[str, FileEntry], metadata: Mapping[str, Any], created_t: float | None = None,
+    **lineage: Any,
 ) -> Manifest:
-    """A manifest for ``files`` already written at ``step``. ``metadata`` must be JSON-serializable."""
+    """A manifest for ``files`` already written at ``step``. ``metadata`` must be JSON-serializable.
+    ``lineage``: the optional ``format``, ``run_id``, ``lineage``, ``resumed_from`` fields."""
     return Manifest(
         step=int(step),
         format_version=FORMAT_VERSION,
         created_t=time.time() if created_t is None else float(created_t),
         files=dict(files),
         metadata=dict(metadata),
+        **lineage,
     )
 
 
@@ -73,7 +86,10 @@ def encode_manifest(manifest: Manifest) -> bytes:
         "created_t": manifest.created_t,
         "files": {name: {"size": e.size, "sha256": e.sha256} for name, e in manifest.files.items()},
         "metadata": manifest.metadata,
+        "format": manifest.format,
     }
+    if manifest.run_id is not None:
+        doc.update(run_id=manifest.run_id, lineage=list(manifest.lineage), resumed_from=manifest.resumed_from)
     return json.dumps(doc, indent=2, sort_keys=True, allow_nan=False).encode()
 
 
@@ -96,12 +112,28 @@ def parse_manifest(data: bytes) -> Manifest:
         metadata = doc.get("metadata") or {}
         if not isinstance(metadata, dict):
             raise TypeError("metadata is not an object")
+        created_t = float(doc["created_t"])
+        if not (math.isfinite(created_t) and 0 <= created_t <= _LATEST_T):
+            raise ValueError(f"created_t {doc['created_t']!r} is not a time (unix seconds before 2100)")
+        fmt = doc.get("format", "torch")
+        if fmt not in PAYLOAD_FORMATS:
+            raise ValueError(f"unknown payload format {fmt!r}")
+        lineage = doc.get("lineage") or []
+        resumed = doc.get("resumed_from")
+        if not isinstance(lineage, list) or not all(isinstance(r, str) for r in lineage) or not (
+                resumed is None or isinstance(resumed, dict)):
+            raise TypeError("lineage is not a list of run ids, or resumed_from not an object")
+        run_id = doc.get("run_id")
         return Manifest(
             step=int(doc["step"]),
             format_version=version,
-            created_t=float(doc["created_t"]),
+            created_t=created_t,
             files=files,
             metadata=metadata,
+            format=fmt,
+            run_id=None if run_id is None else str(run_id),
+            lineage=tuple(lineage),
+            resumed_from=resumed,
         )
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ManifestError(f"manifest is malformed ({type(e).__name__}: {e})") from e

@@ -91,6 +91,7 @@ def split_preset(tokens: Sequence[str]) -> tuple[str, list[str]]:
 def compose_dictconfig(preset: str, overrides: Sequence[str] = ()) -> DictConfig:
     """Run Hydra's compose for ``preset`` with ``overrides``; raise ConfigError on anything Hydra rejects."""
     refuse_hydra_overrides(overrides)
+    _check_override_keys(overrides)
     if preset not in list_presets():
         raise ConfigError("conf", preset, f"use one of {', '.join(list_presets())}", "is not a known preset")
     # Hydra looks the preset up in the primary dir only (the search path is applied after): the dir that holds it
@@ -106,6 +107,24 @@ def compose_dictconfig(preset: str, overrides: Sequence[str] = ()) -> DictConfig
         raise _translate(exc, overrides) from None
     except AssertionError as exc:  # OmegaConf asserts when an override reaches under a null node
         raise _under_null(overrides) or exc from None
+    except ValueError as exc:  # Hydra's plain ValueError for a group override that is not a name (backend=5)
+        raise _bad_group_value(overrides) or exc from None
+
+
+def _check_override_keys(overrides: Sequence[str]) -> None:
+    """``=5`` (no key) would reach Hydra as an unexplained internal error."""
+    for override in overrides:
+        if "=" in override and not override.lstrip("+~").split("=", 1)[0].strip():
+            raise UserError(f"override {override!r} has no key. Fix: write key=value, e.g. trainer.max_steps=5")
+
+
+def _bad_group_value(overrides: Sequence[str]) -> UserError | None:
+    groups = list_groups()
+    for override in overrides:
+        key, _, value = override.lstrip("+").partition("=")
+        if key in groups and value not in groups[key]:
+            return ConfigError(key, value, f"use one of {', '.join(groups[key])}", f"is not a known option of group {key!r}")
+    return None
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """Shape checks of the ``k8s`` group's maps and lists (labels, secrets, volumes, ...), run where the config is
 composed. Kubernetes' schemas type these as plain strings, so an API server would accept or mangle what
-these rules refuse: better one clear line here than a pod that never starts."""
+these rules refuse: better one clear line here than a pod that never starts. ``check_env`` is the exception
+run by ``orch k8s render`` only: a credential in ``k8s.env`` is harmless until it is written into a manifest."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ exactly once, where the config is composed. Checks that span groups live in ``va
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -26,6 +27,8 @@ AMP_DTYPES = ("bf16", "fp16")
 LAUNCHERS = ("local", "ray")
 PLACEMENTS = ("auto", "spread", "pack")
 RESUME_MODES = ("auto", "never")
+CHECKPOINT_FORMATS = ("torch", "safetensors")
+MAX_NODES = 1024  # beyond any job orch is meant for; also keeps per-world-size checks finite
 
 
 def _require(key: str, value: Any, ok: bool, fix: str, problem: str = "is invalid") -> None:
@@ -48,7 +51,8 @@ class BackendConfig:
 
     def __post_init__(self) -> None:
         _one_of("backend.name", self.name, BACKENDS)
-        _require("backend.timeout_s", self.timeout_s, self.timeout_s > 0, "use a positive number of seconds")
+        _require("backend.timeout_s", self.timeout_s, 0 < self.timeout_s < math.inf,
+                 "use a positive, finite number of seconds (e.g. 600)")
 
 
 @dataclass
@@ -104,6 +108,9 @@ class CheckpointConfig:
     """Write in the background after copying state to CPU memory (``false``: the loop waits for the write)."""
     resume: str = "auto"
     """``auto`` (newest valid checkpoint, if any), ``never``, or a step number."""
+    format: str = "torch"
+    """Payload files: ``torch`` (``torch.save``, read with ``weights_only=True``) or ``safetensors`` (every
+    tensor in safetensors files, the rest as JSON: read back with no unpickling at all). Loading reads either."""
 
     def __post_init__(self) -> None:
         if str(self.every_n_steps).isdigit():
@@ -116,6 +123,7 @@ class CheckpointConfig:
         _require("checkpoint.auto_prior_weight", self.auto_prior_weight, self.auto_prior_weight > 0,
                  "use a positive weight")
         _require("checkpoint.keep_last", self.keep_last, self.keep_last >= 1, "keep at least 1 checkpoint")
+        _one_of("checkpoint.format", self.format, CHECKPOINT_FORMATS)
         self.resume = str(self.resume)
         _require(
             "checkpoint.resume", self.resume, self.resume in RESUME_MODES or self.resume.isdigit(),
@@ -162,6 +170,8 @@ class ClusterConfig:
         _require("cluster.nnodes", self.nnodes, len(parts) in (1, 2) and all(p.strip().isdigit() for p in parts), fix)
         _require("cluster.nnodes", self.nnodes, self.min_nodes >= 1, fix, "needs at least 1 node")
         _require("cluster.nnodes", self.nnodes, self.min_nodes <= self.max_nodes, fix, "has MIN greater than MAX")
+        _require("cluster.nnodes", self.nnodes, self.max_nodes <= MAX_NODES, f"use at most {MAX_NODES} nodes",
+                 f"has more than {MAX_NODES} nodes")
         _require("cluster.nproc_per_node", self.nproc_per_node, self.nproc_per_node >= 1,
                  "use 1 or more processes per node")
         _one_of("cluster.device", self.device, DEVICES)
@@ -304,6 +314,9 @@ class EntrypointConfig:
     """Arguments passed to the script or module."""
 
     def __post_init__(self) -> None:
+        for key, value in (("entrypoint.script", self.script), ("entrypoint.module", self.module)):
+            _require(key, value, value is None or bool(str(value).strip()),
+                     f"give a {key.split('.')[1]}, or drop {key} (null) to run the built-in trainer", "is empty")
         _require("entrypoint.module", self.module, not (self.script and self.module),
                  "set only one of entrypoint.script and entrypoint.module")
 
@@ -321,6 +334,14 @@ class RunConfig:
     id: Optional[str] = None
     """The run id, which is also torchrun's rendezvous id; ``null``: ``<preset>-<timestamp>-<hex>``. Every pod of
     one Kubernetes job sets the same id, so that their nodes meet in one rendezvous."""
+    lease_timeout_s: float = 60.0
+    """The launcher holds a lease on the run dir and on ``checkpoint.url``, renewed every quarter of this: another
+    launch there is refused while it is live, and takes it over once not renewed for this long (at once when its
+    holder on this host is gone). See docs/checkpointing.md#fencing."""
+
+    def __post_init__(self) -> None:
+        _require("run.lease_timeout_s", self.lease_timeout_s, 1 <= self.lease_timeout_s < math.inf,
+                 "use a finite number of seconds >= 1 (e.g. 60)")
 
 
 PREEMPTION_SOURCES = ("sigterm", "aws", "gcp", "azure", "chaos")
@@ -371,7 +392,8 @@ class PreemptionConfig:
     def __post_init__(self) -> None:
         for source in self.sources:
             _one_of("preemption.sources", source, PREEMPTION_SOURCES)
-        _require("preemption.grace_period_s", self.grace_period_s, self.grace_period_s > 0, "use a positive number")
+        _require("preemption.grace_period_s", self.grace_period_s, 0 < self.grace_period_s < math.inf,
+                 "use a positive, finite number of seconds (e.g. 30)")
         _require("preemption.poll_interval_s", self.poll_interval_s, self.poll_interval_s > 0, "use a positive number")
 
 
@@ -446,7 +468,7 @@ class K8sConfig:
     (``checkpoint.url=<mount_path>/...``) when every pod mounts it (ReadWriteMany)."""
     secrets: dict = field(default_factory=dict)
     """Environment variables from Secret references, ``{NAME: SECRET}`` (key NAME) or ``{NAME: SECRET/KEY}``; the
-    value never appears in the manifest. ``k8s.env`` refuses values that look like credentials."""
+    value never appears in the manifest. ``orch k8s render`` refuses ``k8s.env`` values that look like credentials."""
 
     def __post_init__(self) -> None:
         _require("k8s.image", self.image, bool(self.image), "give the image with orch installed, e.g. k8s.image=orch:latest")
@@ -472,7 +494,6 @@ class K8sConfig:
         k8s_checks.check_labels("k8s.labels", self.labels)
         k8s_checks.check_labels("k8s.annotations", self.annotations, values_are_labels=False)
         k8s_checks.check_labels("k8s.node_selector", self.node_selector)
-        k8s_checks.check_env(self.env)
         k8s_checks.check_secrets(self.secrets)
         k8s_checks.check_volumes(self.volumes)
 

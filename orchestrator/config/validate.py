@@ -81,9 +81,15 @@ def _check_batch_divides(cfg: OrchConfig) -> None:
             raise ConfigError(
                 "trainer.global_batch_size", t.global_batch_size,
                 f"use a multiple of micro_batch_size x world = {t.micro_batch_size} x {world} at {nodes} node(s) "
-                f"(e.g. {_lcm_batch(cfg)}), or change trainer.micro_batch_size",
+                f"({_batch_example(cfg)}), or change trainer.micro_batch_size",
                 f"is not divisible by micro_batch_size x world size ({t.micro_batch_size} x {world})",
             )
+
+
+def _batch_example(cfg: OrchConfig) -> str:
+    lcm = _lcm_batch(cfg)
+    # A wide elastic range has an astronomically large common multiple: no use as an example.
+    return f"e.g. {lcm}" if lcm < 10**9 else "or narrow the cluster.nnodes MIN:MAX range"
 
 
 def _lcm_batch(cfg: OrchConfig) -> int:

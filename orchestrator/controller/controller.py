@@ -27,6 +27,7 @@ from orchestrator.controller.states import (RECOVERING, RUNNING, SCHEDULING, Sta
                                             stopping)
 from orchestrator.plan.plan import LaunchPlan
 from orchestrator.ft import REPLICA_ENV
+from orchestrator.rendezvous.tunnel import MODULE as TUNNEL_MODULE
 from orchestrator.rundir import LOGS_DIR, NODES_FILE, EventLog, EventName, write_json_atomic
 
 from orchestrator.controller.agent_env import forwarded_env  # the driver's variables node agents get
@@ -67,9 +68,11 @@ class Controller:
     def __init__(self, cfg: OrchConfig, plan: LaunchPlan, pool: NodePool, events: EventLog,
                  nodes: Optional[list[int]] = None, evict: Optional[Callable[[str, int], Any]] = None,
                  notify: Optional[Callable[[int, int, float], None]] = None, hooks: Optional[RunHooks] = None,
-                 clock: Optional[Clock] = None, pod: bool = False, agent_env: Optional[dict[str, str]] = None):
+                 clock: Optional[Clock] = None, pod: bool = False, agent_env: Optional[dict[str, str]] = None,
+                 gated: bool = False):
         self.cfg, self.plan, self.pool, self.events = cfg, plan, pool, events
         self.agent_env = agent_env or {}  # secrets for the agents' environment only (never plan.json or events)
+        self.gated = gated  # the store is behind a gate: agents dial it through orch's tunnel
         self.per_step = cfg.fault_tolerance.mode == "per_step"
         self.evict, self.notify, self.hooks, self.clock = evict, notify, hooks or RunHooks(), clock or Clock()
         self.pod = pod  # one node of a multi-pod job: rank 0 may train elsewhere
@@ -308,6 +311,8 @@ class Controller:
             rdzv_id = f"{rdzv_id}-node{index}-a{self._next_id}"
             env[REPLICA_ENV] = f"node{index}-a{self._next_id}"
         argv = tuple(f"--rdzv-id={rdzv_id}" if a.startswith("--rdzv-id=") else a for a in plan.argv)
+        if self.gated:  # python -m torch.distributed.run ... -> python -m orchestrator.rendezvous.tunnel ...
+            argv = (argv[0], "-m", TUNNEL_MODULE, *argv[3:])
         log_path = self.run_dir / LOGS_DIR / f"node{index}.log"
         agent = Agent(self._next_id, index, node_id, self.clock.time(), self.clock.monotonic(),
                       log_offset=log_path.stat().st_size if log_path.exists() else 0, standby=standby_for is not None)

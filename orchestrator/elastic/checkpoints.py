@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 import warnings
 from dataclasses import asdict, is_dataclass
@@ -51,8 +52,10 @@ class SessionCheckpoints:
                  run_dir: Optional[str] = None):
         self.cfg, self.url, self.state, self.ctx, self.device, self.seed = cfg, url, state, ctx, device, seed
         self.emit, self.fingerprint = emit, fingerprint
+        # The launcher's run id (ORCH_RUN_ID) goes into every manifest: retention keeps to this run's lineage.
         self.manager = CheckpointManager(url, keep_last=cfg.keep_last, async_save=cfg.async_save,
-                                         on_event=self._on_event)
+                                         on_event=self._on_event, run_id=os.environ.get("ORCH_RUN_ID"),
+                                         format=cfg.format)
         self.last_saved_step: Optional[int] = None
         self.last_save_s: Optional[float] = None  # stall + write of the latest committed save (rank 0)
         # every_n_steps=auto: rank 0 measures and decides; every rank keeps the same next decision step.

@@ -49,7 +49,12 @@ def init(config: Union[str, os.PathLike, OrchConfig, None] = None, *, run_dir: O
         owns = _join(process_group, session, cfg)
         session.owns_process_group = owns
         startup.mark("process_group")
-        if ctx.is_main and events is not None:
+        if session.per_step and ctx.rank == 0 and events is not None:
+            # A replica group's own one-node round: the job's world is the quorum's (quorum_changed), and the
+            # job's attempts are not cut by a group joining.
+            events.emit(EventName.REPLICA_STARTED, node=ctx.node, world_size=ctx.world_size,
+                        restart_count=ctx.restart_count)
+        elif ctx.is_main and events is not None:
             events.emit(EventName.RENDEZVOUS_COMPLETE, world_size=ctx.world_size, restart_count=ctx.restart_count,
                         nnodes=ctx.world_size // ctx.local_world_size)
             if ctx.restart_count:

@@ -87,6 +87,8 @@ class MetricsLog:
             record["timing"] = with_other(timing, record["step_time_s"])
         if known.get("grad_scale") is not None:
             record["grad_scale"] = known["grad_scale"]
+        if known.get("ft") is not None:  # per_step: quorum, healing and discarded seconds within the window
+            record["ft"] = known["ft"]
         record.update(extra)
         if self.path is not None:
             append_jsonl(self.path, record)

@@ -203,7 +203,7 @@ class Session:
                 pass  # a live replica group had the state: storage is not read
             elif self.checkpoints is not None:
                 self.checkpoints.restore()
-                if self.replica is not None:
+                if self.replica is not None and self.progress.step > 0:
                     self.replica.resume_at(self.progress.step)
             self._restored = True
             self.startup.mark("restore")
@@ -303,6 +303,8 @@ class Session:
             self._emit(EventName.FIRST_STEP, step=p.step, world_size=self.ctx.job_world_size,
                        restart_count=self.ctx.restart_count)
         self.metrics.step_done(p.step, samples, time.perf_counter() - self._step_start, loss, metrics, self._fields)
+        if self.replica is not None and self.metrics.due(p.step):
+            self.replica.take_window()  # every group starts the next window at zero, the leader included
         try:
             self.preemption.check()  # raises PreemptedExit after the emergency checkpoint (watching since restore)
         except PreemptedExit:
@@ -340,7 +342,8 @@ class Session:
         lrs = [o.get_last_lr()[0] for o in components if hasattr(o, "get_last_lr")]
         lrs += [o.param_groups[0]["lr"] for o in components if isinstance(o, torch.optim.Optimizer)]
         scales = [o.get_scale() for o in components if isinstance(o, torch.amp.GradScaler) and o.is_enabled()]
-        return {"lr": lrs[0] if lrs else None, "grad_scale": scales[0] if scales else None}
+        return {"lr": lrs[0] if lrs else None, "grad_scale": scales[0] if scales else None,
+                "ft": self.replica.take_window() if self.replica is not None else None}
 
     # -- the end ----------------------------------------------------------------------------------------------
     def finish(self, **fields: Any) -> dict[str, Any]:

@@ -9,10 +9,13 @@ authenticated, pickle-free transport (:mod:`~orchestrator.ft.transport`, :mod:`~
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
+from orchestrator.rendezvous.gate import RUN_SECRET_ENV
+
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own: where a Manager finds the Lighthouse
-SECRET_ENV = "ORCH_FT_SECRET"  # the run's secret: a peer serves its state only to a caller that presents it
+SECRET_ENV = RUN_SECRET_ENV  # a peer serves its state only to a caller that presents the run's secret
 ADDR_ENV = "ORCH_FT_ADDR"  # the address this node's state server and Manager advertise (and bind, where orch can)
 REPLICA_ENV = "ORCH_FT_REPLICA"  # this agent's replica id (node and agent incarnation)
 
@@ -21,6 +24,8 @@ TORCHFT_REQUIREMENT = "torchft-nightly==2026.10.26"
 
 def torchft_problem() -> Optional[str]:
     """Why torchft cannot be used here, or None."""
+    # torchft's Rust side logs every quorum and commit at INFO, and reads RUST_LOG when first imported.
+    os.environ.setdefault("RUST_LOG", "warn")
     try:
         import torchft  # noqa: F401
         from torchft._torchft import LighthouseServer  # noqa: F401

@@ -1,24 +1,21 @@
 """What orch's driver hosts for ``fault_tolerance.mode=per_step``: the torchft Lighthouse, beside the
-rendezvous store (it outlives every node, so the quorum survives the loss of any of them), and the run's
-secret for peer-to-peer state transfer."""
+rendezvous store (it outlives every node, so the quorum survives the loss of any of them)."""
 
 from __future__ import annotations
 
-import os
-import secrets
 from typing import Optional
 
 from orchestrator.config.schema import OrchConfig
-from orchestrator.ft import SECRET_ENV
 
 
 class Lighthouse:
     """A Lighthouse listening on ``host`` only (the plan's address) at a free port; ``address`` is what
-    Managers dial (``TORCHFT_LIGHTHOUSE``). ``agent_env``: what every agent gets besides the plan (the run's
-    secret: in the environment of orch's processes only, never in plan.json, events or logs)."""
+    Managers dial (``TORCHFT_LIGHTHOUSE``)."""
 
     def __init__(self, cfg: OrchConfig, host: str):
-        os.environ.setdefault("RUST_LOG", "warn")  # torchft logs every quorum at INFO
+        from orchestrator.ft import torchft_problem
+
+        torchft_problem()  # imports torchft with its Rust logging at warnings
         from torchft._torchft import LighthouseServer
 
         ft = cfg.fault_tolerance
@@ -27,7 +24,6 @@ class Lighthouse:
                                         heartbeat_timeout_ms=ft.heartbeat_timeout_ms)
         port = self._server.address().rsplit(":", 1)[1].strip("/")
         self.address = f"http://{host}:{port}"
-        self.agent_env = {SECRET_ENV: secrets.token_hex(32)}
 
     @classmethod
     def for_run(cls, cfg: OrchConfig, host: str) -> Optional["Lighthouse"]:

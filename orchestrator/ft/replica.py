@@ -30,7 +30,8 @@ from orchestrator.rundir import EventName
 from orchestrator.runtime.distributed import DistContext
 
 Emit = Callable[..., Any]
-USER_KEY = "orch"  # the one state-dict function orch registers with the Manager
+# Where a replica group's loop spends time besides committed steps (metrics records' ``ft``; goodput's badput).
+WINDOW_KEYS = ("quorum_wait_s", "healing_s", "discarded_s")
 
 
 def process_group(backend: str, timeout_s: float):
@@ -55,7 +56,7 @@ class ReplicaGroup:
         self.healed_from: Optional[dict[str, Any]] = None
         self._heal_started = 0.0
         self.transport = PeerStateTransport(timeout=timedelta(seconds=max(30.0, ft.collective_timeout_s)))
-        self.manager = Manager(
+        self._make_manager = lambda: Manager(
             pg=process_group(cfg.backend.name, ft.collective_timeout_s),
             load_state_dict=self._load, state_dict=self._state_dict,
             min_replica_size=cfg.cluster.min_nodes, use_async_quorum=False,
@@ -63,13 +64,24 @@ class ReplicaGroup:
             quorum_timeout=timedelta(seconds=ft.quorum_timeout_s), connect_timeout=timedelta(seconds=30),
             replica_id=self.replica_id, hostname=os.environ.get(ADDR_ENV, "127.0.0.1"),
             checkpoint_transport=self.transport, init_sync=True)
+        self._manager: Optional[Any] = None
         self.participants = 0
         self.participating_rank: Optional[int] = None
         self.last_committed_participants: Optional[int] = None
         self.committed: Optional[bool] = None
         self._began = self._synced = False
         self._snapshot: dict[str, Any] = {}
-        self._quorum_s = 0.0
+        self._quorum_s = self._step_t0 = 0.0
+        self.window = dict.fromkeys(WINDOW_KEYS, 0.0)
+
+    @property
+    def manager(self) -> Any:
+        """The torchft Manager, made at the first quorum: its server heartbeats to the Lighthouse from then on,
+        and a group that heartbeats without asking for a quorum holds up its peers' quorum (a majority of the
+        heartbeating groups must join), so it starts only when this group is ready to train."""
+        if self._manager is None:
+            self._manager = self._make_manager()
+        return self._manager
 
     # -- the state a peer sends and a healing group loads ---------------------------------------------------
     def _state_dict(self) -> dict[str, Any]:
@@ -94,17 +106,21 @@ class ReplicaGroup:
         """Join this step's quorum (healing first if this group is behind); idempotent until the step ends."""
         if self._began:
             return
-        started = time.perf_counter()
+        started, staged = time.perf_counter(), self.transport.staged
         self.healed_from = None
         self.manager.start_quorum()  # synchronous (use_async_quorum=False): heals before returning
         self._quorum_s = time.perf_counter() - started
+        # A quorum in which a group healed (this one, or one this one served) is healing time; else waiting.
+        healing = self.healed_from is not None or self.transport.staged != staged
+        self.window["healing_s" if healing else "quorum_wait_s"] += self._quorum_s
+        self._step_t0 = time.perf_counter()
         self._snapshot = self._take_snapshot()  # after healing: a discarded step goes back to the healed state
         self.participants = self.manager.num_participants()
         self.participating_rank = self.manager.participating_rank()
         self.ctx.leader = self.participating_rank == 0
         self.ctx.replicas = max(1, self.participants)
         self._began, self._synced, self.committed = True, False, None
-        if self.healed_from is not None:
+        if self.healed_from is not None and self.healed_from["step"] > 0:  # step 0: torchft's initial weight sync
             self.emit_group(EventName.REPLICA_HEALED, node=self.ctx.node, replica_id=self.replica_id,
                             source_replica=self.healed_from["replica_id"], source_node=self.healed_from["node"],
                             step=self.healed_from["step"], heal_s=round(self._quorum_s, 4), checkpoint_read=False,
@@ -156,6 +172,7 @@ class ReplicaGroup:
         registered state back as it was when the step began. Returns whether the step committed."""
         committed = self.commit(modules)
         if not committed:
+            self.window["discarded_s"] += time.perf_counter() - self._step_t0
             self._restore_snapshot()
         self._began = False
         return committed
@@ -185,8 +202,14 @@ class ReplicaGroup:
                 obj.zero_grad(set_to_none=True)
         set_rng_state(snap["rng"], self.device)
 
+    def take_window(self) -> dict[str, float]:
+        """Seconds of this metrics window spent in quorums, healing and discarded steps (then reset)."""
+        window, self.window = self.window, dict.fromkeys(WINDOW_KEYS, 0.0)
+        return {k: round(v, 4) for k, v in window.items()}
+
     def shutdown(self) -> None:
-        self.manager.shutdown(wait=False)
+        if self._manager is not None:
+            self._manager.shutdown(wait=False)
 
 
 def _copy(value: Any) -> Any:

@@ -28,6 +28,14 @@ class WireError(ValueError):
 
 
 def encode(obj: Any) -> bytes:
+    skeleton, tensors = split(obj)
+    header = json.dumps(skeleton, separators=(",", ":")).encode()
+    return _LEN.pack(len(header)) + header + st_save(tensors)
+
+
+def split(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """``obj`` as a JSON-able skeleton and the tensors it refers to by name (what safetensors stores);
+    :func:`join` puts them back together. WireError for anything it cannot hold."""
     tensors: dict[str, torch.Tensor] = {}
 
     def enc(value: Any) -> Any:
@@ -49,8 +57,7 @@ def encode(obj: Any) -> bytes:
         raise WireError(f"cannot send a {type(value).__name__} in a training state (tensors, numbers, strings, "
                         "None and dicts/lists/tuples of them only)")
 
-    header = json.dumps(enc(obj), separators=(",", ":")).encode()
-    return _LEN.pack(len(header)) + header + st_save(tensors)
+    return enc(obj), tensors
 
 
 def decode(data: bytes) -> Any:
@@ -64,6 +71,11 @@ def decode(data: bytes) -> Any:
         tensors = st_load(data[_LEN.size + n:])
     except (ValueError, RuntimeError) as exc:
         raise WireError(f"not an orch wire state: {exc}") from None
+    return join(skeleton, tensors)
+
+
+def join(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The object :func:`split` took apart; WireError for a skeleton it did not write."""
 
     def dec(value: Any) -> Any:
         if value is None or isinstance(value, (bool, int, float, str)):

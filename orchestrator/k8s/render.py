@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
+from orchestrator.config.k8s_checks import check_env
 from orchestrator.config.schema import OrchConfig
 from orchestrator.errors import ConfigError
 from orchestrator.k8s.job import render_job
@@ -72,6 +73,7 @@ def render(preset: str, overrides: Sequence[str], fmt: str) -> Rendered:
 
     check_format(fmt)
     cfg = compose_config(preset, overrides)
+    check_env(cfg.k8s.env)  # here, not at compose: only a manifest would hold the value in plain text
     if not cfg.run.id:
         cfg.run.id = new_run_id(preset)
         overrides = [*overrides, f"run.id={cfg.run.id}"]

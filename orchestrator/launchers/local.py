@@ -21,6 +21,7 @@ from orchestrator.controller.pools.local import LocalNodePool
 from orchestrator.plan.plan import PLAN_FILE, build_plan
 from orchestrator.ft.lighthouse import Lighthouse
 from orchestrator.rendezvous import RendezvousStore
+from orchestrator.rendezvous.gate import RUN_SECRET_ENV, new_run_secret, refusal_recorder
 from orchestrator.rundir import EventLog, EventName
 from orchestrator.testcluster.state import state_for_launch
 
@@ -44,10 +45,12 @@ class LocalLauncher:
 
     def run(self) -> str:
         tc, r = self.testcluster, self.cfg.rendezvous
-        store = None if r.external else RendezvousStore(tc.bridge_address if tc else r.host, r.port)
+        events = EventLog(self.run_dir)
+        secret = new_run_secret()  # for this launch's processes only: never the plan, events or logs
+        store = None if r.external else RendezvousStore(tc.bridge_address if tc else r.host, r.port, secret=secret,
+                                                        on_refused=refusal_recorder(events))
         port = store.port if store else r.port
         lighthouse = Lighthouse.for_run(self.cfg, tc.bridge_address if tc else r.host)
-        events = EventLog(self.run_dir)
         plan = build_plan(self.cfg, str(self.run_dir), self.run_id, store_port=port, testcluster=tc,
                           lighthouse=lighthouse.address if lighthouse else None)
         (self.run_dir / PLAN_FILE).write_text(plan.to_json() + "\n")
@@ -61,13 +64,13 @@ class LocalLauncher:
 
             pool = TestClusterPool(tc, self.cfg.cluster.max_nodes, self.echo)
             hooks = TestClusterHooks(ClusterWatch(tc, str(self.run_dir), self.run_id, events, r, since=started["t"],
-                                                  store_port=port))
+                                                  store_address=store.local_address))
         else:
             # Room for every node and, on a notice, its standby: simulated nodes share this machine.
             pool = LocalNodePool(slots=2 * len(self.node_ids), echo=self.echo)
         controller = Controller(self.cfg, plan, pool, events, nodes=self.node_ids,
                                 evict=store.evict if store else None, notify=notice_sender(str(self.run_dir)),
-                                hooks=hooks, pod=self.pod, agent_env=lighthouse.agent_env if lighthouse else None)
+                                hooks=hooks, pod=self.pod, agent_env={RUN_SECRET_ENV: secret}, gated=store is not None)
         try:
             return run_with_signals(controller, str(self.run_dir), self.cfg.preemption.schedule)
         finally:

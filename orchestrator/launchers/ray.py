@@ -20,6 +20,7 @@ from typing import Optional, TextIO
 from orchestrator.config.schema import OrchConfig
 from orchestrator.errors import EnvironmentMismatch
 from orchestrator.ft.lighthouse import Lighthouse
+from orchestrator.rendezvous.gate import RUN_SECRET_ENV, new_run_secret, refusal_recorder
 from orchestrator.plan.plan import PLAN_FILE, build_plan
 from orchestrator.rendezvous import RendezvousStore
 from orchestrator.controller.api import RunHooks
@@ -29,6 +30,7 @@ CONNECT_TIMEOUT_S = 5.0
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 EMBEDDED_OBJECT_STORE_BYTES = 128 * 1024 * 1024  # orch passes no large objects; keep /dev/shm free for workers
 WORKING_DIR_EXCLUDES = (".git", ".hg", ".venv", "venv", "__pycache__", "*.pyc", ".pytest_cache", "/runs")
+RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray for a job's driver (orchestrator/lifecycle/rayjobs.py)
 RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 ABANDONED = False  # set by _abandon_ray: the CLI then leaves with os._exit (see orchestrator/cli.py)
 DASHBOARD_URL: Optional[str] = None  # the embedded Ray's dashboard (cluster.dashboard=true), once started
@@ -91,6 +93,8 @@ def shipped_runtime_env(cfg: OrchConfig, cwd: str) -> Optional[dict]:
     checkpoint dir when under ``cwd`` (they are written, not read), plus whatever ``.gitignore`` and
     ``.rayignore`` list (Ray reads them)."""
     if not cfg.cluster.address or cfg.cluster.testcluster:
+        return None
+    if os.environ.get(RAY_JOB_ENV):  # a Ray job's driver: the job shipped it already; Ray refuses a second one
         return None
     excludes = list(WORKING_DIR_EXCLUDES)
     for path in (cfg.run.dir, cfg.checkpoint.url):
@@ -199,9 +203,10 @@ class RayLauncher:
         host = driver_ip if self.cfg.rendezvous.host in LOOPBACK else self.cfg.rendezvous.host
         cfg = dataclasses.replace(self.cfg, rendezvous=dataclasses.replace(self.cfg.rendezvous, host=host))
         spread = c.placement == "spread" or (c.placement == "auto" and not self.embedded) or tc is not None
-        store = RendezvousStore(host, cfg.rendezvous.port)
-        lighthouse = Lighthouse.for_run(cfg, host)  # per_step: beside the store, on the driver's node
         events = EventLog(self.run_dir)
+        secret = new_run_secret()  # for this launch's processes only: never the plan, events or logs
+        store = RendezvousStore(host, cfg.rendezvous.port, secret=secret, on_refused=refusal_recorder(events))
+        lighthouse = Lighthouse.for_run(cfg, host)  # per_step: beside the store, on the driver's node
         echo = LogEcho(self.run_dir / "logs", self.echo)
         pool = RayNodePool(c.cpus_per_node, c.gpus_per_agent, spread, c.max_nodes)
         hooks: RunHooks = RunHooks()
@@ -217,9 +222,9 @@ class RayLauncher:
             if self.embedded and DASHBOARD_URL and self.echo is not None:
                 print(f"[orch] Ray dashboard: {DASHBOARD_URL}", file=self.echo, flush=True)
             if tc:
-                hooks = self._testcluster_hooks(tc, events, started["t"], store.port)
+                hooks = self._testcluster_hooks(tc, events, started["t"], store.local_address)
             controller = Controller(cfg, plan, pool, events, evict=store.evict, notify=notice_sender(str(self.run_dir)),
-                                    hooks=hooks, agent_env=lighthouse.agent_env if lighthouse else None)
+                                    hooks=hooks, agent_env={RUN_SECRET_ENV: secret}, gated=True)
             echo.start()
             return run_with_signals(controller, str(self.run_dir), self.cfg.preemption.schedule)
         finally:
@@ -236,7 +241,7 @@ class RayLauncher:
             else:
                 ray.shutdown()
 
-    def _testcluster_hooks(self, tc, events: EventLog, since: float, store_port: int) -> RunHooks:
+    def _testcluster_hooks(self, tc, events: EventLog, since: float, store_address: tuple[str, int]) -> RunHooks:
         """A Ray node on every test host, and the controller's duties there on every tick (see TestClusterHooks)."""
         from orchestrator.testcluster.pool import TestClusterHooks
         from orchestrator.testcluster.ray_hosts import RayHosts
@@ -249,5 +254,5 @@ class RayLauncher:
             hosts.close()
             raise
         watch = ClusterWatch(tc, str(self.run_dir), self.run_id, events, self.cfg.rendezvous, since=since,
-                             store_port=store_port)
+                             store_address=store_address)
         return TestClusterHooks(watch, hosts)

@@ -52,8 +52,6 @@ class RunStatusView:
                 ("last event", f"{describe_event(last)} {time.time() - last['t']:.0f} s ago" if last else "-")]
         if self.record.get("ray_job"):
             rows.insert(4, ("ray job", f"{self.record['ray_job']['submission_id']} at {self.record['ray_job']['address']}"))
-        if self.record.get("dashboard"):
-            rows.insert(4, ("dashboard", self.record["dashboard"]))
         return "\n".join(f"{k + ':':<12} {v}" for k, v in rows)
 
 

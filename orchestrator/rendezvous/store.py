@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import socket
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 from torch.distributed import TCPStore
 
 from orchestrator.rendezvous import state as rdzv_state
+from orchestrator.rendezvous.gate import StoreGate
 from orchestrator.rendezvous.state import Eviction, RendezvousState
 
 
@@ -45,25 +46,42 @@ class RendezvousStore:
     every interface unless asked (``listen="0.0.0.0"``): whoever reaches the store can rewrite the rendezvous.
     torch's ``TCPStore`` server binds ``::`` (every interface) whatever host it is given, so orch binds the
     socket itself and hands torch the listening descriptor (``master_listen_fd``); torch owns it from then on.
+
+    With a ``secret`` (the run's), the TCPStore listens on 127.0.0.1 only and ``listen``:``port`` is a
+    :class:`~orchestrator.rendezvous.gate.StoreGate`: only clients that prove they hold the secret reach the
+    store (agents through ``orchestrator.rendezvous.tunnel``); ``on_refused(peer)`` hears of every other one.
+    orch's own clients in this process (:meth:`client`, ``local_address``) dial the store directly.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 300.0,
-                 listen: Optional[str] = None):
+                 listen: Optional[str] = None, secret: Optional[str] = None,
+                 on_refused: Optional[Callable[[str], None]] = None):
         self.host = host
         self.listen = host if listen is None else listen
-        sock = listening_socket(self.listen, port)
+        self.gate: Optional[StoreGate] = None
+        if secret:
+            self.gate = StoreGate(listening_socket(self.listen, port), ("127.0.0.1", 0), secret, on_refused)
+            sock = listening_socket("127.0.0.1", 0)
+        else:
+            sock = listening_socket(self.listen, port)
         port = sock.getsockname()[1]
         # torch owns the descriptor from here: its server closes it when it stops, and also when the
         # constructor fails (so closing it here too could close another file that reused the number).
         fd = sock.detach()
         # multi_tenant: torchrun's own clients open it that way; wait_for_workers=False: agents come and go;
         # use_libuv: the backend whose master_listen_fd is checked here (tests/test_rendezvous_security.py).
-        self._store = TCPStore(host, port, is_master=True, multi_tenant=True, wait_for_workers=False,
-                               timeout=timedelta(seconds=timeout_s), master_listen_fd=fd, use_libuv=True)
-        self._port = port
+        self._store = TCPStore("127.0.0.1" if secret else host, port, is_master=True, multi_tenant=True,
+                               wait_for_workers=False, timeout=timedelta(seconds=timeout_s), master_listen_fd=fd,
+                               use_libuv=True)
+        self.local_address = ("127.0.0.1" if secret else host, port)
+        """Where clients in this process dial the store itself (behind the gate, if there is one)."""
+        if self.gate is not None:
+            self.gate.backend = self.local_address
+        self._port = self.gate.port if self.gate is not None else port
 
     @property
     def port(self) -> int:
+        """The port agents dial: the gate's when there is one."""
         return self._port
 
     @property
@@ -72,7 +90,7 @@ class RendezvousStore:
 
     def client(self, timeout_s: float = 10.0):
         """A fresh client of this store (one per caller: the controller and a watch may run in two threads)."""
-        return rdzv_state.connect(self.host, self.port, timeout_s)
+        return rdzv_state.connect(*self.local_address, timeout_s)
 
     def state(self, run_id: str) -> Optional[RendezvousState]:
         """Rendezvous ``run_id`` as the agents see it now; None before the first agent joined."""
@@ -94,4 +112,6 @@ class RendezvousStore:
 
     def close(self) -> None:
         """Drop the server; agents still connected see their next store call fail."""
+        if self.gate is not None:
+            self.gate.close()
         self._store = None

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from orchestrator.errors import UserError
 from orchestrator.report import efficiency as eff
-from orchestrator.rundir import EVENTS_FILE, EventName, METRICS_FILE, read_jsonl
+from orchestrator.rundir import EVENTS_FILE, EventName, METRICS_FILE, check_events, read_jsonl
 from orchestrator.report.summary import build_summary
 from orchestrator.rundir import latest_launch
 
@@ -72,6 +72,7 @@ def build_report(run_dir: str | Path, baseline: Optional[str | Path] = None, war
     if not (run_dir / EVENTS_FILE).exists():
         raise UserError(f"{run_dir}: no {EVENTS_FILE}, so not a run dir of orch launch. Fix: give the directory "
                         "`orch launch` printed as `run dir: ...` (or an `orch bench scaling` directory)")
+    check_events(run_dir / EVENTS_FILE)
     events, metrics = launch_records(run_dir)
     summary = build_summary(run_dir)
     by_size = eff.throughput_by_world_size(metrics, warmup_steps)

@@ -36,10 +36,11 @@ def root_cause(events: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
 
 
 def world_size_history(events: list[dict[str, Any]]) -> list[int]:
-    """World sizes of successive rendezvous rounds, consecutive repeats collapsed: [2, 1, 2] = shrink, grow."""
+    """World sizes of successive rendezvous rounds (per_step: quorums), consecutive repeats collapsed:
+    [2, 1, 2] = shrink, grow."""
     history: list[int] = []
     for e in events:
-        if e["event"] == "rendezvous_complete" and (not history or history[-1] != e["world_size"]):
+        if e["event"] in ("rendezvous_complete", "quorum_changed") and (not history or history[-1] != e["world_size"]):
             history.append(e["world_size"])
     return history
 

@@ -1,0 +1,55 @@
+"""``orch ckpt export``: a checkpoint's model weights alone, as one safetensors file for serving or the Hugging
+Face ecosystem (``safetensors.torch.load_file`` reads it; no optimizer, RNG or trainer state, no pickle)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+import yaml
+
+from orchestrator.errors import UserError
+
+from .manager import CheckpointManager
+
+EXPORT_FORMATS = ("safetensors",)
+
+
+def checkpoint_url_of(run_or_url: str) -> str:
+    """The checkpoint URL of a run dir (its config's ``checkpoint.url``, else ``<run dir>/checkpoints``), or
+    ``run_or_url`` itself when it is not a run dir."""
+    config = Path(run_or_url) / "config.yaml"
+    if "://" in run_or_url or not config.is_file():
+        return run_or_url
+    url = ((yaml.safe_load(config.read_text()) or {}).get("checkpoint") or {}).get("url")
+    return url or str(Path(run_or_url) / "checkpoints")
+
+
+def export_weights(run_or_url: str, out: str, fmt: str = "safetensors", step: Optional[int] = None,
+                   payload: str = "model") -> tuple[int, int]:
+    """Write the ``payload`` (the model's state dict) of checkpoint ``step`` (None: the newest valid one) of a
+    run dir or checkpoint URL to ``out``; returns (step, number of tensors). UserError (exit 2) for a format
+    other than safetensors, no valid checkpoint, or a payload that is not a flat dict of tensors."""
+    if fmt not in EXPORT_FORMATS:
+        raise UserError(f"--format={fmt!r} is not an export format. Fix: use --format safetensors")
+    url = checkpoint_url_of(run_or_url)
+    loaded = CheckpointManager(url).load(step)
+    if loaded is None:
+        raise UserError(f"no valid checkpoint under {url}. Fix: `orch ckpt list {url}` shows what is there")
+    weights = loaded.state.get(payload)
+    if not isinstance(weights, dict) or not weights or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):
+        raise UserError(f"checkpoint step {loaded.step} under {url} has no {payload!r} payload of named tensors "
+                        f"(payloads: {', '.join(sorted(loaded.state))}). Fix: export a checkpoint orch's trainer or "
+                        "an elastic Session saved")
+    from safetensors.torch import save_file
+
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise UserError(f"-o {out!r}: the directory {parent} does not exist. Fix: create it or write elsewhere")
+    # safetensors refuses tensors sharing memory (tied weights): every tensor gets its own contiguous copy.
+    tensors = {k: v.detach().contiguous().clone() for k, v in weights.items()}
+    save_file(tensors, out, metadata={"orch_step": str(loaded.step), "orch_source": url})
+    return loaded.step, len(tensors)

@@ -1,0 +1,102 @@
+"""Launch preflight: what ``orch launch`` checks against this machine before it writes or starts anything.
+
+Each check turns a problem that would otherwise surface only after the agents started (a script that is not
+there, a module that does not import, a busy store port, a resume step that was never saved) into one
+``ConfigError`` line naming the key, the value and the fix, with nothing written.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import os
+import sys
+from pathlib import Path
+
+from orchestrator.config.schema import OrchConfig
+from orchestrator.errors import ConfigError
+
+
+def check_entrypoint(cfg: OrchConfig) -> None:
+    """``entrypoint.script`` is a file and ``entrypoint.module`` is findable from here, as the workers (started
+    in this directory, with this environment) will look for them. Finds the module without importing it."""
+    ep = cfg.entrypoint
+    if ep.script is not None and not Path(ep.script).is_file():
+        raise ConfigError("entrypoint.script", ep.script, f"give the path of a Python file (relative paths start at "
+                          f"{os.getcwd()})", "is not a file")
+    if ep.module is not None and not _module_findable(ep.module):
+        raise ConfigError("entrypoint.module", ep.module, "give an importable module (run from the directory that "
+                          "holds its package, or add that directory to PYTHONPATH)", "cannot be found")
+
+
+def _module_findable(name: str) -> bool:
+    # The workers run `python -m` in this directory: the directory, then PYTHONPATH, then site-packages.
+    path = [os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)), *sys.path]
+    spec = None
+    for part in name.split("."):
+        if not part.isidentifier():
+            return False
+        spec = importlib.machinery.PathFinder.find_spec(part, path)
+        if spec is None:
+            return False
+        path = list(spec.submodule_search_locations or [])
+    return spec is not None
+
+
+def check_store_port(cfg: OrchConfig) -> None:
+    """A fixed ``rendezvous.port`` the launcher would host the store on is free now (0 always is)."""
+    r = cfg.rendezvous
+    if r.external or r.port == 0 or cfg.cluster.testcluster:
+        return
+    from orchestrator.rendezvous.store import listening_socket
+
+    try:
+        listening_socket(r.host, r.port).close()
+    except OSError as e:
+        raise ConfigError("rendezvous.port", r.port, "stop what holds it, pick another port, or use 0 for a free one",
+                          f"cannot be bound on {r.host} ({e.strerror or e})") from None
+
+
+def check_resume_step(cfg: OrchConfig, url: str) -> None:
+    """``checkpoint.resume=N`` names a valid checkpoint under ``url``."""
+    if not str(cfg.checkpoint.resume).isdigit():
+        return
+    from orchestrator.checkpoint import CheckpointManager
+
+    step = int(cfg.checkpoint.resume)
+    infos = CheckpointManager(url).list()
+    valid = [i.step for i in infos if i.valid]
+    if step in valid:
+        return
+    why = next((f"is not valid there ({i.reason})" for i in infos if i.step == step), "names no checkpoint there")
+    fix = (f"use one of the valid steps ({', '.join(map(str, valid[-10:]))}), or checkpoint.resume=auto" if valid
+           else "use checkpoint.resume=auto or never: nothing valid was saved there")
+    raise ConfigError("checkpoint.resume", cfg.checkpoint.resume, fix, f"{why} (checkpoints: {url})")
+
+
+def make_run_dir(run_dir: str) -> bool:
+    """Create the run dir (the launch's first write); returns whether it was new. ConfigError if it cannot be."""
+    existed = Path(run_dir).is_dir()
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError("run.dir", run_dir, "choose a directory this process can create and write to",
+                          f"cannot be created ({e.strerror or e})") from None
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        raise ConfigError("run.dir", run_dir, "choose a directory this process can write to", "is not writable")
+    return not existed
+
+
+def run_leases(cfg: OrchConfig, run_id: str):
+    """The run's leases (not yet taken): its run dir, and its checkpoint URL when set apart from the run dir.
+    Of a Kubernetes job's pods (``cluster.node_index``) only node 0 holds them, shared with pods of the same run
+    id (a replacement pod takes over), since every pod runs one launcher of the same run."""
+    from orchestrator.checkpoint.lease import Lease, LeaseKeeper
+
+    node = cfg.cluster.node_index
+    if node not in (None, 0):
+        return LeaseKeeper([])
+    leases = [Lease(cfg.run.dir, run_id, cfg.run.lease_timeout_s, "run.dir", shared=node is not None)]
+    if cfg.checkpoint.url is not None:
+        leases.append(Lease(cfg.checkpoint.url, run_id, cfg.run.lease_timeout_s, "checkpoint.url",
+                            shared=node is not None))
+    return LeaseKeeper(leases)

@@ -1,0 +1,176 @@
+"""Every bad input of issue #14 exits 2 with one line (key, value, fix) and leaves nothing behind; and
+docs/reliability.md's table holds exactly the message each one gets.
+
+Each case runs the real CLI entry (``orchestrator.cli.main``) in this process, in an empty working directory.
+``python tests/test_bad_inputs.py`` prints the table rows for the docs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "reliability.md"
+LAUNCH = ["launch", "conf=cpu_gloo", "launcher=local", "run.dir=TMP/run"]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    argv: tuple[str, ...]
+    setup: Callable[[Path], object] = lambda tmp: None
+
+
+def _bad_manifest(tmp: Path) -> None:
+    step = tmp / "ckpt" / "step_000000001"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text(json.dumps(
+        {"format_version": 1, "step": 1, "created_t": 1e20, "files": {}, "metadata": {}}))
+
+
+def _events(content: bytes) -> Callable[[Path], None]:
+    def setup(tmp: Path) -> None:
+        (tmp / "rd").mkdir()
+        (tmp / "rd" / "events.jsonl").write_bytes(content)
+    return setup
+
+
+def _nodes_json(tmp: Path) -> None:
+    (tmp / "rd").mkdir()
+    (tmp / "rd" / "nodes.json").write_text('{"0": "abc"')
+
+
+def _busy_port(tmp: Path) -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+def _live_lease(tmp: Path):
+    from orchestrator.checkpoint.lease import Lease
+
+    lease = Lease(str(tmp / "run"), "first-run", 60.0, "run.dir")
+    lease.acquire()  # held by this (live) process: a second launch there must be refused
+    return lease
+
+
+CASES = [
+    Case("override without a key", (*LAUNCH, "=5")),
+    Case("group set to a number", (*LAUNCH, "backend=5")),
+    Case("infinite grace period", (*LAUNCH, "preemption.grace_period_s=inf")),
+    Case("10000 nodes", (*LAUNCH, "cluster.nnodes=1:10000")),
+    Case("run dir that cannot be created", (*LAUNCH[:3], "run.dir=/proc/x")),
+    Case("busy store port", (*LAUNCH, "rendezvous.port=PORT"), _busy_port),
+    Case("k8s render -o a file", ("k8s", "render", "conf=cpu_gloo", "checkpoint.url=s3://b/x", "-o", "TMP/file"),
+         lambda tmp: (tmp / "file").touch()),
+    Case("store port out of range", ("rendezvous-store", "--port", "99999")),
+    Case("manifest created_t 1e20", ("ckpt", "inspect", "TMP/ckpt"), _bad_manifest),
+    Case('events line without "event"', ("report", "TMP/rd"), _events(b'{"t": 1}\n')),
+    Case("events line with binary bytes", ("report", "TMP/rd"), _events(b'\xff\xfe{"t":1,"event":"x"}\n')),
+    Case("malformed nodes.json", ("chaos", "kill-node", "TMP/rd", "--node", "0"), _nodes_json),
+    Case("script that does not exist", (*LAUNCH, "entrypoint.script=/nonexistent.py")),
+    Case("module that does not exist", (*LAUNCH, "entrypoint.module=no.such")),
+    Case("resume from a step never saved", (*LAUNCH, "checkpoint.resume=99")),
+    Case("memory:// with several ranks", (*LAUNCH, "checkpoint.url=memory://ckpt")),
+    Case("infinite collective timeout", (*LAUNCH, "backend.timeout_s=inf")),
+    Case("empty run.dir", (*LAUNCH[:3], "run.dir=")),
+    Case("empty entrypoint.script", (*LAUNCH, "entrypoint.script=")),
+    Case("empty checkpoint.url", (*LAUNCH, "checkpoint.url=")),
+    Case("run dir of a live run", (*LAUNCH,), _live_lease),
+]
+
+
+def run_case(case: Case, tmp: Path, capsys) -> tuple[int, str, str]:
+    """Run ``case`` in ``tmp``; returns (exit code, stderr, stderr with tmp and port replaced by TMP and PORT)."""
+    from orchestrator.cli import main
+
+    held = case.setup(tmp)
+    port = str(held.getsockname()[1]) if isinstance(held, socket.socket) else None
+    argv = [a.replace("TMP", str(tmp)).replace("PORT", port or "PORT") for a in case.argv]
+    before = os.getcwd()
+    os.chdir(tmp)
+    try:
+        capsys.readouterr()
+        code = main(argv)
+    finally:
+        os.chdir(before)
+        if held is not None:
+            (held.close if isinstance(held, socket.socket) else held.release)()
+    err = capsys.readouterr().err
+    shown = err.replace(str(tmp), "TMP")
+    if port:
+        shown = shown.replace(port, "PORT")
+    shown = re.sub(r"\(pid \d+ on \S+, heartbeat \d+ s ago\)", "(pid PID on HOST, heartbeat N s ago)", shown)
+    return code, err, shown
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(case, tmp_path, capsys):
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    code, err, _ = run_case(case, tmp_path, capsys)
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("orch: error: ") and "Fix:" in err, err
+    if case.setup is _live_lease:  # the live run's dir keeps only its lease: no config.yaml of the refused launch
+        assert list((tmp_path / "run").iterdir()) == []  # the lease, released since; no config.yaml
+        return
+    after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    setup_files = {p for p in after if p in before} | {Path("file"), Path("rd"), Path("ckpt")}
+    assert [p for p in after if not any(p == s or s in p.parents for s in setup_files)] == [], "something was written"
+
+
+def documented() -> dict[str, str]:
+    rows = {}
+    for line in DOC.read_text().splitlines():
+        match = re.match(r"^\| (.+?) \| `` (.+) `` \| `` (orch: error: .+) `` \|$", line)
+        if match:
+            rows[match.group(1)] = match.group(3)
+    return rows
+
+
+def table_row(case: Case, message: str) -> str:
+    return f"| {case.name} | `` orch {' '.join(case.argv)} `` | `` {message.strip()} `` |"
+
+
+def test_reliability_table_matches_every_message(tmp_path, capsys):
+    rows = documented()
+    stale = []
+    for i, case in enumerate(CASES):
+        tmp = tmp_path / str(i)
+        tmp.mkdir()
+        _, _, shown = run_case(case, tmp, capsys)
+        if rows.get(case.name) != shown.strip():
+            stale.append(table_row(case, shown))
+    assert not stale, "docs/reliability.md is out of date; the rows should read:\n" + "\n".join(stale)
+    assert set(rows) == {c.name for c in CASES}, "the table has rows for cases that no longer exist"
+
+
+if __name__ == "__main__":  # print the table rows for docs/reliability.md
+    import tempfile
+
+    class _Capture:
+        def readouterr(self):
+            out, err = sys.stdout.getvalue(), sys.stderr.getvalue()
+            sys.stdout.seek(0), sys.stdout.truncate(), sys.stderr.seek(0), sys.stderr.truncate()
+            return type("R", (), {"out": out, "err": err})
+
+    import io
+
+    real_out = sys.stdout
+    for case in CASES:
+        with tempfile.TemporaryDirectory() as tmp:
+            sys.stdout, sys.stderr = io.StringIO(), io.StringIO()
+            try:
+                _, _, shown = run_case(case, Path(tmp), _Capture())
+            finally:
+                sys.stdout, sys.stderr = real_out, sys.__stderr__
+            print(table_row(case, shown))
