@@ -105,6 +105,13 @@ def cmd_bench_recovery(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_hang(args: argparse.Namespace) -> int:
+    from orchestrator.bench.hang import main_hang_bench
+
+    result = main_hang_bench(out=args.out, quiet_s=args.quiet_s)
+    return 0 if result["detected"] and result["status"] == "succeeded" else 1
+
+
 def cmd_bench_goodput(args: argparse.Namespace) -> int:
     from orchestrator.bench.goodput import main_goodput_bench
 
@@ -271,6 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per_step: both fault-tolerance modes in one run; the JSON has one object per mode under "
                         "'restart' and 'per_step'")
     p.set_defaults(func=cmd_bench_goodput)
+    p = bench.add_parser("hang", help="a SIGSTOPped worker detected and recovered from; false alarms over a quiet run")
+    p.add_argument("--out", help="write {detected, recovery_s, false_alarms, ...} as JSON to this file")
+    p.add_argument("--quiet-s", type=float, default=300.0, help="seconds of fault-free training watched (default 300)")
+    p.set_defaults(func=cmd_bench_hang)
     p = bench.add_parser("recovery", help="time to recover from a lost node: bare torchrun vs orch, same job and kill")
     p.add_argument("--out", help="write {orch_mttr_s, torchrun_mttr_s, ratio} as JSON to this file")
     p.add_argument("--kill-at-step", type=int, default=10, help="kill node 1 once this step completed (default 10)")

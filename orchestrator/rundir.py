@@ -65,6 +65,8 @@ class EventName(StrEnum):
     QUORUM_CHANGED = "quorum_changed"  # the leader, at the first committed step of a new set of replica groups
     REPLICA_HEALED = "replica_healed"  # a group loaded a live peer's state (which one, at which step)
     STEP_DISCARDED = "step_discarded"  # a step that did not commit everywhere: redone with the same samples
+    HANG_DETECTED = "hang_detected"  # a rank's heartbeat went silent: its stack, then its node is ended
+    STRAGGLER = "straggler"  # a rank consistently busier per step than its peers (ratio)
     STORE_CLIENT_REFUSED = "store_client_refused"  # a connection to the store without the run's secret
     REPLICA_STARTED = "replica_started"  # a group's workers joined their own one-node rendezvous
     REPLICA_LEFT = "replica_left"  # a noticed group left at a step boundary, its peers holding the state

@@ -367,6 +367,40 @@ class PreemptionScheduleConfig:
 
 
 @dataclass
+class HangConfig:
+    """Hang and straggler detection (docs/fault-tolerance.md#hangs-and-stragglers). Every worker of a script on
+    orchestrator.elastic (the built-in trainer included) writes a heartbeat with its step each
+    ``heartbeat_interval_s``; the controller reads them. A rank whose heartbeat is older than
+    ``max(step_time_factor x median step time, floor_s)`` is hung (stopped, or stuck holding the interpreter):
+    its Python stack is dumped (faulthandler) into the ``hang_detected`` event and its node is ended, so the
+    others recover as from a lost node, instead of waiting ``backend.timeout_s`` in a collective."""
+
+    enabled: bool = True
+    """Watch heartbeats at all."""
+    heartbeat_interval_s: float = 1.0
+    """How often each worker writes its heartbeat."""
+    step_time_factor: float = 10.0
+    """A heartbeat older than this many median step times is a hang (if also older than ``floor_s``)."""
+    floor_s: float = 6.0
+    """Never call a hang sooner than this: a loaded machine delays a heartbeat thread by seconds."""
+    straggler_factor: float = 2.0
+    """A rank whose busy time per step (its step minus time waiting in communication) is this many times its
+    peers' median, at three checks in a row, is reported as a ``straggler`` with the ratio; 0 turns it off."""
+    evict_stragglers: bool = False
+    """End a straggler's node (the others go on without it, as from a lost node)."""
+
+    def __post_init__(self) -> None:
+        for key in ("heartbeat_interval_s", "step_time_factor", "floor_s"):
+            value = getattr(self, key)
+            _require(f"hang.{key}", value, 0 < value < float("inf"), "use a positive number")
+        _require("hang.straggler_factor", self.straggler_factor,
+                 self.straggler_factor == 0 or 1 < self.straggler_factor < float("inf"),
+                 "use a factor above 1, or 0 to turn straggler reports off")
+        _require("hang.floor_s", self.floor_s, self.floor_s >= 2 * self.heartbeat_interval_s,
+                 "use at least twice hang.heartbeat_interval_s", "is shorter than two heartbeats")
+
+
+@dataclass
 class PreemptionConfig:
     """Spot/preemption notices: where they come from, and the grace period the save must fit in."""
 
@@ -640,6 +674,7 @@ class OrchConfig:
     entrypoint: EntrypointConfig = field(default_factory=EntrypointConfig)
     run: RunConfig = field(default_factory=RunConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    hang: HangConfig = field(default_factory=HangConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     k8s: K8sConfig = field(default_factory=K8sConfig)

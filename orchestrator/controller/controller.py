@@ -22,10 +22,12 @@ from orchestrator.controller.api import (AgentExit, AgentSpec, AgentStarted, Clo
                                          RunStatus)
 from orchestrator.controller.failure_policy import FailureAction, classify, decide, failure_signature, same_failure
 from orchestrator.controller.scaling_policy import ScalingDecision, ScalingPolicy
+from orchestrator.controller.hang_watch import HangWatch
 from orchestrator.controller.standby_policy import standbys_to_boot
 from orchestrator.controller.states import (RECOVERING, RUNNING, SCHEDULING, State, StateName, failed, finished,
                                             stopping)
 from orchestrator.plan.plan import LaunchPlan
+from orchestrator.processes import kill_tree
 from orchestrator.ft import REPLICA_ENV
 from orchestrator.rendezvous.tunnel import MODULE as TUNNEL_MODULE
 from orchestrator.rundir import LOGS_DIR, NODES_FILE, EventLog, EventName, write_json_atomic
@@ -108,6 +110,7 @@ class Controller:
         self._lingering_stopped = False
         self._first_exit_after_training: Optional[float] = None
         self.state: State = SCHEDULING
+        self.hangs = HangWatch(self.run_dir, cfg.hang, events)
 
     # -- the loop ---------------------------------------------------------------------------------------------
 
@@ -157,6 +160,7 @@ class Controller:
             self._stop_lingering_agents()
             return state
         self._boot_standbys()
+        self._end_hung_nodes()
         decision = self._scale(grow=self.loss_t is None or bool(self._replace))
         if decision.fail_reason:
             return self._stop_all_then(failed(decision.fail_reason))
@@ -324,6 +328,14 @@ class Controller:
             self.agents[index] = agent
             self._replace.discard(index)
         self.pool.start(AgentSpec(agent.agent_id, index, argv, env, str(log_path), os.getcwd()), node_id)
+
+    def _end_hung_nodes(self) -> None:
+        """A node whose worker hangs (or straggles, with hang.evict_stragglers) is ended like a lost machine
+        (SIGKILL to its agent and workers): the others recover at once instead of waiting in a collective."""
+        running = {n: (a.pid, a.requested_t) for n, a in self.agents.items() if a.pid is not None and not a.stopping}
+        for node in self.hangs.tick(running, self.clock.time()):
+            self._note_loss(self.clock.time())
+            kill_tree(running[node][0])
 
     def _boot_standbys(self) -> None:
         """On a notice, boot the node's replacement now, where a machine has a free slot (see standby_policy)."""

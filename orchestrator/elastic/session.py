@@ -19,6 +19,7 @@ import torch
 from orchestrator.config.schema import CheckpointConfig, OrchConfig, PreemptionConfig, TrainerConfig
 from orchestrator.elastic import collectives
 from orchestrator.elastic.checkpoints import SessionCheckpoints, hash_settings
+from orchestrator.elastic.heartbeat import Heartbeat
 from orchestrator.elastic.metrics import MetricsLog
 from orchestrator.elastic.preemption import PreemptedExit, PreemptionResponse
 from orchestrator.elastic.state import Progress, TrainingState, params_sha256
@@ -91,6 +92,8 @@ class Session:
         self._preemption_cfg = cfg.preemption if cfg is not None else PreemptionConfig()
         self.preemption: Optional[PreemptionResponse] = None  # watching from register()/restore() on
         self.sampler: Optional[GlobalBatchSampler] = None
+        self.heartbeat: Optional[Heartbeat] = None
+        self._comm_at_step_start = 0.0
         self._restored = self._started = False
         self._attempt_steps = 0
         self._discarded = False
@@ -180,7 +183,10 @@ class Session:
 
     def _watch(self) -> None:
         """Start watching for preemption notices once the model is built, as the built-in trainer always has: a
-        SIGTERM before then (while joining the process group, say) keeps its default action."""
+        SIGTERM before then (while joining the process group, say) keeps its default action. The heartbeat
+        (hang detection) starts here too."""
+        if self.heartbeat is None and self.run_dir is not None and self.cfg is not None and self.cfg.hang.enabled:
+            self.heartbeat = Heartbeat(self.run_dir, self.ctx, self.cfg.hang.heartbeat_interval_s)
         if self.preemption is None:
             self.preemption = PreemptionResponse(self._preemption_cfg, self.ctx, self.run_dir, self.device,
                                                  self.progress, self.checkpoints, self._emit,
@@ -299,6 +305,10 @@ class Session:
         if self.sampler is not None:
             p.epoch = self.sampler.epoch_of(p.samples_consumed)
         self._attempt_steps += 1
+        if self.heartbeat is not None:
+            step_s = time.perf_counter() - self._step_start
+            comm_s = self.timer.comm_seconds - self._comm_at_step_start
+            self.heartbeat.step_done(p.step, step_s, max(0.0, step_s - comm_s))
         if self._attempt_steps == 1 and self.is_main:  # what recovery times (MTTR) end on
             self._emit(EventName.FIRST_STEP, step=p.step, world_size=self.ctx.job_world_size,
                        restart_count=self.ctx.restart_count)
@@ -315,6 +325,7 @@ class Session:
             self.checkpoints.maybe_save()
         self.timer.lap("checkpoint")
         self._step_start = time.perf_counter()
+        self._comm_at_step_start = self.timer.comm_seconds
 
     def _commit_step(self) -> bool:
         """per_step: end this step's protocol; a step that did not commit everywhere is undone and redone."""
@@ -354,6 +365,7 @@ class Session:
             return self._result
         if self.preemption is not None:
             self.preemption.stop()
+        self._stop_heartbeat()
         if self.checkpoints is not None:
             self.checkpoints.finish()
         if self.replica is not None:
@@ -389,6 +401,7 @@ class Session:
                 # Not a failure: the emergency checkpoint is committed and every rank passed the barrier after it;
                 # events and metrics are appended line by line. Leave now: a torch interpreter's teardown takes
                 # 1-2 s on a busy node, and the survivors' restart waits for this exit.
+                self._stop_heartbeat()
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(exc.code)
@@ -398,8 +411,14 @@ class Session:
         self.close()
         return False
 
+    def _stop_heartbeat(self) -> None:
+        if self.heartbeat is not None:
+            heartbeat, self.heartbeat = self.heartbeat, None
+            heartbeat.stop()
+
     def close(self) -> None:
         """Destroy the process group if :func:`init` created it."""
+        self._stop_heartbeat()
         if self.owns_process_group and collectives.grouped():
             torch.distributed.destroy_process_group()
         self.owns_process_group = False

@@ -45,7 +45,7 @@ def world_size_history(events: list[dict[str, Any]]) -> list[int]:
     return history
 
 
-LOSS_EVENTS = ("chaos_kill", "node_lost", "chaos_partition")  # chaos_partition: orch testcluster partition
+LOSS_EVENTS = ("chaos_kill", "node_lost", "chaos_partition", "hang_detected")  # partition: orch testcluster; hang: its node ended
 STEP_EVENTS = ("recovered", "first_step", "quorum_changed")  # quorum_changed: per_step survivors
 
 

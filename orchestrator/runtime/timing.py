@@ -67,6 +67,7 @@ class StepTimer:
         self._intervals: list[tuple[float, float]] = []
         self._last = clock()
         self._last_launch: Optional[float] = None
+        self.comm_seconds = 0.0  # exposed communication since the start (a step's busy time is the rest)
 
     def register(self, ddp: "torch.nn.parallel.DistributedDataParallel") -> None:
         """Time the all-reduce of every gradient bucket of ``ddp`` (torch's default allreduce, wrapped)."""
@@ -108,6 +109,7 @@ class StepTimer:
         launched = self._last_launch
         exposed = now - launched if launched is not None and launched >= self._last else 0.0
         self._totals["comm"] += exposed
+        self.comm_seconds += exposed
         self._totals["compute"] += now - self._last - exposed
         self._last, self._last_launch = now, None
 
@@ -125,7 +127,7 @@ class NullStepTimer(StepTimer):
     """Measures nothing and installs no hook: DDP keeps its built-in C++ all-reduce (the untimed baseline)."""
 
     def __init__(self) -> None:
-        pass
+        self.comm_seconds = 0.0
 
     def register(self, ddp) -> None:
         pass
