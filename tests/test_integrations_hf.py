@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 from transformers import TrainerControl, TrainerState, TrainingArguments  # noqa: E402
 
 import orchestrator.elastic as elastic  # noqa: E402
+from orchestrator.errors import ConfigError  # noqa: E402
 from orchestrator.integrations import hf  # noqa: E402
 from orchestrator.preemption.notices import Notice  # noqa: E402
 from orchestrator.rundir import EVENTS_FILE, METRICS_FILE, read_jsonl  # noqa: E402
@@ -92,6 +93,11 @@ def test_training_args_come_from_the_run_config_unless_given(tmp_path, monkeypat
     with pytest.raises(ValueError, match="filesystem path only"):
         hf.orch_training_args(remote)
     assert hf.orch_training_args(None, output_dir=str(tmp_path / "o")).max_steps == -1, "outside orch: HF's defaults"
+    # What the Trainer's own loop cannot follow is refused in one line, naming key, value and fix.
+    for override, key in (("checkpoint.every_n_steps=auto", "checkpoint.every_n_steps"),
+                          ("fault_tolerance.mode=per_step", "fault_tolerance.mode")):
+        with pytest.raises(ConfigError, match=f"{key}=.*Fix: "):
+            hf.orch_training_args(run_config(tmp_path, override))
 
 
 def test_only_complete_checkpoints_are_resumed_from(tmp_path):

@@ -120,6 +120,9 @@ def orch_training_args(cfg: Optional[OrchConfig] = None, **kwargs: Any) -> Train
         if ckpt.every_n_steps == "auto":  # the Trainer's save_steps is fixed when it is built
             raise ConfigError("checkpoint.every_n_steps", "auto", "set a number of steps for transformers.Trainer",
                               "is not supported by the transformers.Trainer integration")
+        if cfg.fault_tolerance.mode == "per_step":  # the Trainer's own loop steps the optimizer, not the quorum
+            raise ConfigError("fault_tolerance.mode", "per_step", "use fault_tolerance.mode=restart with "
+                              "transformers.Trainer", "is not supported by the transformers.Trainer integration")
         every = ckpt.every_n_steps if ckpt.every_n_steps > 0 else t.max_steps
         filled.update(output_dir=checkpoint_dir(cfg), max_steps=t.max_steps, save_strategy="steps", save_steps=every,
                       logging_steps=t.log_every, seed=t.seed, per_device_train_batch_size=t.micro_batch_size,
