@@ -3,6 +3,7 @@ and the committed lineage trains every sample once with a constant global batch.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -62,15 +63,15 @@ def test_killed_node_returns_and_heals_from_a_peer_with_every_sample_once(tmp_pa
         wait_for(lambda: any(e["event"] == "quorum_changed" and e["replicas"] == 2 for e in events()), 180,
                  "both replica groups in the quorum")
         wait_for(lambda: any(m["step"] >= 40 for m in read_jsonl(run_dir / "metrics.jsonl")), 120, "step 40")
+        killed = time.time()
         kill = run_orch("chaos", "kill-node", str(run_dir), "--node", "1", timeout=30)
         assert kill.returncode == 0, kill.stderr
         # The returning node healed and is in the quorum again; then node 0 (the survivor) gets a notice: it
         # leaves at the next step boundary with nothing to save, node 1 holding the state.
-        wait_for(lambda: [e for e in events() if e["event"] == "replica_healed" and e["node"] == 1], 180,
-                 "node 1 healing from node 0")
+        back = wait_for(lambda: [e for e in events() if e["event"] == "replica_healed" and e["node"] == 1
+                                 and e["t"] > killed], 180, "the returning node 1 healing from node 0")[0]
         wait_for(lambda: [e for e in events() if e["event"] == "quorum_changed" and e["replicas"] == 2
-                          and e["t"] > next(h["t"] for h in events() if h["event"] == "replica_healed" and h["node"] == 1)],
-                 60, "both groups in the quorum again")
+                          and e["t"] > back["t"]], 60, "both groups in the quorum again")
         preempt = run_orch("chaos", "preempt", str(run_dir), "--node", "0", "--grace", "30", timeout=60)
         assert preempt.returncode == 0, preempt.stderr
         assert proc.wait(timeout=300) == 0, (tmp_path / "orch.log").read_text()[-3000:]

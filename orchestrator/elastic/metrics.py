@@ -41,6 +41,16 @@ class MetricsLog:
         """A window starts now (the first step of this attempt starts next)."""
         self.window_start, self.window_steps, self.window_samples = time.perf_counter(), 0, 0
 
+    def window_state(self) -> dict[str, Any]:
+        """The open window, in wall time (per_step: a healing group takes it over from its peer, so the run's
+        records stay contiguous when the leader changes to a group that was not there at the last record)."""
+        return {"start_t": time.time() - (time.perf_counter() - self.window_start), "steps": self.window_steps,
+                "samples": self.window_samples}
+
+    def load_window_state(self, state: dict[str, Any]) -> None:
+        self.window_start = time.perf_counter() - (time.time() - state["start_t"])
+        self.window_steps, self.window_samples = state["steps"], state["samples"]
+
     def due(self, step: int) -> bool:
         return step % self.log_every == 0 or step == self.max_steps
 

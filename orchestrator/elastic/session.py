@@ -177,7 +177,8 @@ class Session:
         if self.per_step and self.replica is None:
             from orchestrator.ft.replica import ReplicaGroup, wrap_for_commit  # torchft: an optional extra
 
-            self.replica = ReplicaGroup(self.cfg, self.ctx, self.device, self.state, self._emit_group)
+            self.replica = ReplicaGroup(self.cfg, self.ctx, self.device, self.state, self._emit_group,
+                                        records=(self.metrics.window_state, self.metrics.load_window_state))
             wrap_for_commit(self.state, self.replica)
         self._watch()
 
@@ -213,8 +214,13 @@ class Session:
                     self.replica.resume_at(self.progress.step)
             self._restored = True
             self.startup.mark("restore")
-            self.metrics.start()
+            self._start_window()
         return self.progress.step
+
+    def _start_window(self) -> None:
+        """Metrics windows start now, unless a peer handed this group the run's open window (per_step heal)."""
+        if self.replica is None or not self.replica.took_window:
+            self.metrics.start()
 
     def _heal_from_peer(self) -> bool:
         """per_step: join the first quorum; a group that is behind a live peer loads its state there."""
@@ -282,7 +288,7 @@ class Session:
             self._emit(EventName.WORKER_STARTED, world_size=self.world_size, restart_count=self.ctx.restart_count,
                        step=self.progress.step, **latest_over_ranks(per_rank))
         if not late:
-            self.metrics.start()
+            self._start_window()
 
     # -- every step -------------------------------------------------------------------------------------------
     def step_done(self, loss: Any = None, *, samples: Optional[int] = None,

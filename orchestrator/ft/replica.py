@@ -46,12 +46,14 @@ class ReplicaGroup:
     """This worker's membership in the job's quorum (one per worker; every rank of a group has one)."""
 
     def __init__(self, cfg: OrchConfig, ctx: DistContext, device: torch.device, state: TrainingState,
-                 emit_group: Emit):
+                 emit_group: Emit, records: Optional[tuple[Callable[[], dict], Callable[[dict], None]]] = None):
         from torchft import Manager
 
         ft = cfg.fault_tolerance
         self.ctx, self.device, self.state = ctx, device, state
         self.emit_group = emit_group  # this group's rank 0 writes the group's own events
+        self.records = records  # (get, load) of the open metrics window, handed to a healing group
+        self.took_window = False  # this group's metrics window came from a peer: keep it (no fresh start)
         self.replica_id = os.environ.get(REPLICA_ENV, f"node{ctx.node}")
         self.healed_from: Optional[dict[str, Any]] = None
         self._heal_started = 0.0
@@ -89,7 +91,8 @@ class ReplicaGroup:
         source = {"replica_id": self.replica_id, "node": self.ctx.node,
                   "params_sha256": params_sha256(model) if model is not None else None}
         return {"components": {name: obj.state_dict() for name, obj in self.state.components.items()},
-                "progress": asdict(self.state.progress), "rng": rng_state(self.device), "source": source}
+                "progress": asdict(self.state.progress), "rng": rng_state(self.device), "source": source,
+                "records": {"metrics": self.records[0]() if self.records else None, "ft": dict(self.window)}}
 
     def _load(self, sd: dict[str, Any]) -> None:
         for name, obj in self.state.components.items():
@@ -97,6 +100,10 @@ class ReplicaGroup:
         p = self.state.progress
         p.step, p.samples_consumed, p.epoch = (sd["progress"][k] for k in ("step", "samples_consumed", "epoch"))
         set_rng_state(sd["rng"], self.device)
+        if sd["records"]["metrics"] is not None and self.records:
+            self.records[1](sd["records"]["metrics"])  # the window since the run's last record, as the peer has it
+            self.took_window = True
+        self.window = {k: self.window.get(k, 0.0) + v for k, v in sd["records"]["ft"].items()}
         model = self.state.first_model()
         self.healed_from = {**sd["source"], "step": p.step,
                             "loaded_sha256": params_sha256(model) if model is not None else None}
