@@ -127,7 +127,11 @@ def test_hard_kill_without_notice_loses_at_most_every_n_steps(tmp_path):
     run_dir = preempt_midrun(tmp_path, args, lambda rd: run_orch("chaos", "kill-node", str(rd), "--node", "1"))
     s = summary(run_dir)
     assert s["status"] == "succeeded" and s["steps_completed"] == 200
-    assert 0 <= s["goodput"]["lost_steps"] <= every
+    # Each restart resumes from the newest periodic save: the kill, and the growth back to two nodes once the
+    # controller refilled node 1's slot (torchrun restarts the survivors' workers for it), lose at most
+    # every_n_steps each.
+    restarts = sum(1 for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "checkpoint_loaded")
+    assert 1 <= restarts <= 2 and 0 <= s["goodput"]["lost_steps"] <= every * restarts
     counts = steps_trained(run_dir)
     assert sum(c - 1 for c in counts.values()) == s["goodput"]["lost_steps"]
 
