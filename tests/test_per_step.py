@@ -106,7 +106,10 @@ def test_killed_node_returns_and_heals_from_a_peer_with_every_sample_once(tmp_pa
     assert [e for e in evs if e["event"] == "node_preempted" and e["node"] == 0]
     # Goodput splits the per_step costs out of the step windows.
     assert {"quorum_wait_s", "healing_s", "discarded_s"} <= set(s["goodput"]["badput"])
-    assert s["goodput"]["badput"]["discarded_s"] > 0 and s["goodput"]["lost_steps"] == 0
+    # A kill between two steps discards none (the next quorum simply leaves the dead group out); one during a
+    # step's all-reduce discards that step: either way nothing committed is lost.
+    discarded = [e for e in evs if e["event"] == "step_discarded"]
+    assert (s["goodput"]["badput"]["discarded_s"] > 0) == bool(discarded) and s["goodput"]["lost_steps"] == 0
 
     ids_by_step = audit_samples(run_dir, steps)
     kill_steps = {e["step"] for e in evs if e["event"] == "step_discarded"}
