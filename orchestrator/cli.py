@@ -317,7 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", metavar="DIR", help="write DIR/<format>.yaml instead of printing")
     p.set_defaults(func=cmd_k8s_render)
 
-    p = sub.add_parser("rendezvous-store", help="host the c10d rendezvous store on its own (a Kubernetes job's store pod)")
+    p = sub.add_parser("rendezvous-store", help="host the c10d rendezvous store on its own (a Kubernetes job's store pod)",
+                       description="Host the c10d rendezvous store until SIGTERM. With ORCH_RUN_SECRET in the environment "
+                                   "(k8s.run_secret) it admits only clients that prove the secret (orch's agents, "
+                                   "through orch's tunnel).")
     p.add_argument("--port", type=int, default=29400, help="TCP port (default 29400; 0: a free one)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0: every IPv4 interface of "
                                                      "the store pod, which the Service routes to; :: for IPv6)")

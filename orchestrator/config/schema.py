@@ -18,7 +18,7 @@ from typing import Any, Optional
 from omegaconf import MISSING
 
 from orchestrator.config import k8s_checks
-from orchestrator.config.k8s_checks import DNS_LABEL, QUANTITY
+from orchestrator.config.k8s_checks import DNS_LABEL, DNS_SUBDOMAIN, QUANTITY
 from orchestrator.errors import ConfigError
 
 BACKENDS = ("nccl", "gloo")
@@ -503,6 +503,11 @@ class K8sConfig:
     secrets: dict = field(default_factory=dict)
     """Environment variables from Secret references, ``{NAME: SECRET}`` (key NAME) or ``{NAME: SECRET/KEY}``; the
     value never appears in the manifest. ``orch k8s render`` refuses ``k8s.env`` values that look like credentials."""
+    run_secret: str = ""
+    """A Secret you create, ``NAME`` (key ``secret``) or ``NAME/KEY``, holding the run's secret: the store pod and
+    every node pod get it as ``ORCH_RUN_SECRET`` (a reference, never the value), so the store admits only clients
+    that prove it, as under ``orch launch``. Empty: the store is ungated (only the NetworkPolicy guards it).
+    Formats whose pods dial ``orch rendezvous-store`` only (not rayjob)."""
 
     def __post_init__(self) -> None:
         _require("k8s.image", self.image, bool(self.image), "give the image with orch installed, e.g. k8s.image=orch:latest")
@@ -530,6 +535,12 @@ class K8sConfig:
         k8s_checks.check_labels("k8s.node_selector", self.node_selector)
         k8s_checks.check_secrets(self.secrets)
         k8s_checks.check_volumes(self.volumes)
+        name, slash, key = str(self.run_secret or "").partition("/")
+        _require("k8s.run_secret", self.run_secret, not self.run_secret or (
+            re.match(DNS_SUBDOMAIN, name) is not None and len(name) <= 253
+            and (not slash or re.match(r"^[-._a-zA-Z0-9]+$", key) is not None)),
+            "name a Secret you created, NAME (key 'secret') or NAME/KEY, e.g. k8s.run_secret=orch-run-secret "
+            "(lower-case letters, digits, '-' and '.'), or '' for none")
 
 
 @dataclass

@@ -73,7 +73,10 @@ class ReplicaGroup:
         self.committed: Optional[bool] = None
         self._began = self._synced = False
         self._snapshot: dict[str, Any] = {}
+        self._params: Optional[list[torch.nn.Parameter]] = None  # the registered modules' trainable ones
         self._quorum_s = self._step_t0 = 0.0
+        self._quorum_started: Optional[float] = None  # while this group is in a quorum
+        self._loaded_at: Optional[float] = None  # when this group took over a peer's state in this quorum
         self.window = dict.fromkeys(WINDOW_KEYS, 0.0)
 
     @property
@@ -90,9 +93,13 @@ class ReplicaGroup:
         model = self.state.first_model()
         source = {"replica_id": self.replica_id, "node": self.ctx.node,
                   "params_sha256": params_sha256(model) if model is not None else None}
+        # The window's seconds include this quorum so far (the peer goes on counting from where it loads it).
+        ft = dict(self.window)
+        if self._quorum_started is not None:
+            ft["healing_s"] += time.perf_counter() - self._quorum_started
         return {"components": {name: obj.state_dict() for name, obj in self.state.components.items()},
                 "progress": asdict(self.state.progress), "rng": rng_state(self.device), "source": source,
-                "records": {"metrics": self.records[0]() if self.records else None, "ft": dict(self.window)}}
+                "records": {"metrics": self.records[0]() if self.records else None, "ft": ft}}
 
     def _load(self, sd: dict[str, Any]) -> None:
         for name, obj in self.state.components.items():
@@ -103,7 +110,8 @@ class ReplicaGroup:
         if sd["records"]["metrics"] is not None and self.records:
             self.records[1](sd["records"]["metrics"])  # the window since the run's last record, as the peer has it
             self.took_window = True
-        self.window = {k: self.window.get(k, 0.0) + v for k, v in sd["records"]["ft"].items()}
+        self.window = {k: float(sd["records"]["ft"].get(k, 0.0)) for k in WINDOW_KEYS}  # the peer's, as it sent it
+        self._loaded_at = time.perf_counter()
         model = self.state.first_model()
         self.healed_from = {**sd["source"], "step": p.step,
                             "loaded_sha256": params_sha256(model) if model is not None else None}
@@ -114,12 +122,18 @@ class ReplicaGroup:
         if self._began:
             return
         started, staged = time.perf_counter(), self.transport.staged
-        self.healed_from = None
-        self.manager.start_quorum()  # synchronous (use_async_quorum=False): heals before returning
-        self._quorum_s = time.perf_counter() - started
+        self.healed_from, self._quorum_started, self._loaded_at = None, started, None
+        try:
+            self.manager.start_quorum()  # synchronous (use_async_quorum=False): heals before returning
+        finally:
+            self._quorum_started = None
+        ended = time.perf_counter()
+        self._quorum_s = ended - started
         # A quorum in which a group healed (this one, or one this one served) is healing time; else waiting.
+        # A group that took over its peer's window counts only the time since (the peer's window had the rest).
         healing = self.healed_from is not None or self.transport.staged != staged
-        self.window["healing_s" if healing else "quorum_wait_s"] += self._quorum_s
+        counted = ended - (self._loaded_at if self._loaded_at is not None else started)
+        self.window["healing_s" if healing else "quorum_wait_s"] += counted
         self._step_t0 = time.perf_counter()
         self._snapshot = self._take_snapshot()  # after healing: a discarded step goes back to the healed state
         self.participants = self.manager.num_participants()
@@ -151,7 +165,9 @@ class ReplicaGroup:
             return
         self._synced = True
         self.begin_step()
-        params = [p for m in modules for p in m.parameters() if p.requires_grad]
+        if self._params is None:
+            self._params = [p for m in modules for p in m.parameters() if p.requires_grad]
+        params = self._params
         if not params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]

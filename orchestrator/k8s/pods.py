@@ -16,6 +16,7 @@ from orchestrator.errors import ConfigError, Preempted, UserError
 from orchestrator.k8s.names import object_name
 from orchestrator.k8s.security import (HOME, WORKDIR, container_security_context, pod_security_context,
                                        scratch_mounts, scratch_volumes)
+from orchestrator.rendezvous.gate import RUN_SECRET_ENV
 
 DEFAULT_STORE_PORT = 29400  # torchrun's customary c10d port
 POD_LOCAL_SCHEMES = ("file", "local", "memory")
@@ -23,6 +24,7 @@ SHM_VOLUME = "dshm"
 PREEMPTED_EXIT = Preempted.exit_code  # 75: orch saved an emergency checkpoint and left; run it again
 USER_ERROR_EXIT = UserError.exit_code  # 2: a bad config or image fails the same way on every retry
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+RUN_SECRET_KEY = "secret"  # k8s.run_secret=NAME: the key of `kubectl create secret generic NAME --from-literal=secret=...`
 
 
 def store_service(cfg: OrchConfig) -> str:
@@ -123,13 +125,33 @@ def resources(cfg: OrchConfig) -> dict[str, Any]:
 
 def training_env(cfg: OrchConfig, extra: Optional[list[dict[str, Any]]] = None) -> list[dict[str, Any]]:
     """Environment of a training container. torchrun publishes the pod IP (``PET_LOCAL_ADDR``, its
-    ``--local-addr``) as the address other pods dial for rank 0, so no pod needs a resolvable hostname."""
+    ``--local-addr``) as the address other pods dial for rank 0, so no pod needs a resolvable hostname. With
+    ``k8s.run_secret``, the run's secret, for the tunnel to the gated store."""
     return [
         *(extra or []),
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "PET_LOCAL_ADDR", "value": "$(POD_IP)"},
         *user_env(cfg),
+        *run_secret_env(cfg),
     ]
+
+
+def run_secret_env(cfg: OrchConfig) -> list[dict[str, Any]]:
+    """``k8s.run_secret`` as ``ORCH_RUN_SECRET`` from the Secret (``NAME`` or ``NAME/KEY``, key ``secret``): the
+    store pod gates the store with it and each node's agents answer the gate through orch's tunnel. A
+    reference only, so the secret is in no manifest. Empty when unset."""
+    if not cfg.k8s.run_secret:
+        return []
+    name, _, key = cfg.k8s.run_secret.partition("/")
+    return [{"name": RUN_SECRET_ENV, "valueFrom": {"secretKeyRef": {"name": name, "key": key or RUN_SECRET_KEY}}}]
+
+
+def refuse_run_secret(cfg: OrchConfig, fmt: str, why: str) -> None:
+    """For a format whose pods never dial ``orch rendezvous-store``: ``k8s.run_secret`` would gate nothing."""
+    if cfg.k8s.run_secret:
+        raise ConfigError("k8s.run_secret", cfg.k8s.run_secret,
+                          "drop k8s.run_secret, or render --format job, jobset, trainjob or pytorchjob (orch's own store)",
+                          f"has no store to gate in --format {fmt}: {why}")
 
 
 def user_env(cfg: OrchConfig) -> list[dict[str, Any]]:

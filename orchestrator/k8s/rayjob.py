@@ -17,9 +17,9 @@ from typing import Any, Sequence
 from orchestrator.config.schema import OrchConfig
 from orchestrator.errors import ConfigError
 from orchestrator.k8s.names import check_names, object_name
-from orchestrator.k8s.pods import (gpus_per_pod, metadata, passthrough, pod_spec, require_gpu_resource,
-                                   require_shared_checkpoints, template_metadata, training_container, training_env,
-                                   user_env)
+from orchestrator.k8s.pods import (gpus_per_pod, metadata, passthrough, pod_spec, refuse_run_secret,
+                                   require_gpu_resource, require_shared_checkpoints, template_metadata,
+                                   training_container, training_env, user_env)
 
 RUNS_MOUNT = "/runs"
 RUNS_VOLUME = "runs"
@@ -46,6 +46,8 @@ def render_rayjob(cfg: OrchConfig, overrides: Sequence[str]) -> list[dict[str, A
     """The RayJob, with its rayClusterSpec inline."""
     c, k = cfg.cluster, cfg.k8s
     require_gpu_resource(cfg)
+    refuse_run_secret(cfg, "rayjob", "orch's Ray launcher hosts the store on the head and gates it with a fresh "
+                      "secret per launch")
     # KubeRay names the cluster <rayjob>-<5 chars> and its head Service <cluster>-head-svc.
     check_names(cfg, [object_name(cfg), f"{object_name(cfg)}-xxxxx-head-svc"])
     if not k.run_dir_claim:

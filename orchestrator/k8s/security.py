@@ -35,8 +35,9 @@ def scratch_mounts() -> list[dict[str, Any]]:
 
 
 def store_network_policy(cfg: OrchConfig, store_selector: dict[str, str], port: int, meta: dict[str, Any]) -> dict[str, Any]:
-    """Ingress to the store's pods only from pods of the same run, on the store port: the store runs no
-    authentication, so who can reach it is who can join (or disturb) the job's rendezvous."""
+    """Ingress to the store's pods only from pods of the same run, on the store port. Without
+    ``k8s.run_secret`` the store runs no authentication, so who can reach it is who can join (or disturb) the
+    job's rendezvous; with it, this is the outer wall and the gate the inner one."""
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta,
         "spec": {

@@ -8,13 +8,16 @@ leaves the store (and the other pods' membership) intact, as losing a simulated 
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Any, Callable
 
 from orchestrator.config.schema import OrchConfig
-from orchestrator.k8s.pods import base_pod_spec, metadata, selector, store_port, store_service, template_metadata
+from orchestrator.k8s.pods import (base_pod_spec, metadata, run_secret_env, selector, store_port, store_service,
+                                   template_metadata)
 from orchestrator.k8s.security import container_security_context, scratch_mounts, store_network_policy
+from orchestrator.rendezvous.gate import RUN_SECRET_ENV
 
 COMPONENT = "rendezvous-store"
 
@@ -23,13 +26,21 @@ def serve_store(port: int, say: Callable[[str], None] = print, host: str = "0.0.
     """Host a store on ``host``:``port`` (0: a free port) until SIGTERM or SIGINT; returns 0, the exit status of
     a store that was asked to stop. The default listens on every IPv4 interface of the store pod, deliberately:
     a pod's network namespace has only loopback and the pod's own interface, which the Service routes to
-    (``--host ::`` for an IPv6 cluster); outside a pod, name the one address agents dial."""
+    (``--host ::`` for an IPv6 cluster); outside a pod, name the one address agents dial.
+
+    With ``ORCH_RUN_SECRET`` in the environment (``k8s.run_secret``) the store is gated as a launcher's is: the
+    TCPStore on loopback, a :class:`~orchestrator.rendezvous.gate.StoreGate` on ``host``:``port``, and agents
+    dial through orch's tunnel. Refused clients are not recorded: this process has no run dir, and a log line
+    per port scan would bury the one that matters."""
     from orchestrator.rendezvous import RendezvousStore
 
-    store = RendezvousStore("127.0.0.1" if host in ("0.0.0.0", "::") else host, port, listen=host)
+    secret = os.environ.get(RUN_SECRET_ENV, "")
+    store = RendezvousStore("127.0.0.1" if host in ("0.0.0.0", "::") else host, port, listen=host,
+                            secret=secret or None)
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
-    say(f"rendezvous store listening on {host} port {store.port}")
+    gated = f", gated: clients must prove the run's secret ({RUN_SECRET_ENV})" if secret else ""
+    say(f"rendezvous store listening on {host} port {store.port}{gated}")
     try:
         while not stop.wait(1.0):
             pass
@@ -54,6 +65,8 @@ def store_pod_template(cfg: OrchConfig, restart_policy: str | None = None) -> di
         "securityContext": container_security_context(),
         "volumeMounts": scratch_mounts(),
     }
+    if cfg.k8s.run_secret:
+        container["env"] = run_secret_env(cfg)
     return {"metadata": template_metadata(cfg, COMPONENT), "spec": base_pod_spec(cfg, [container], restart_policy)}
 
 

@@ -5,12 +5,13 @@ It hosts the rendezvous store itself (agents use ``is_host=false``), so killing 
 takes rendezvous down; with an elastic ``cluster.nnodes=MIN:MAX`` the survivors re-rendezvous and go on, and
 a lost or preempted node's slot is filled again, as the Ray launcher does. Inside a Kubernetes pod it runs the
 one node of that pod (``cluster.node_index``) against the job's store (``rendezvous.external``: ``orch
-rendezvous-store`` behind a Service), hosting none itself. On a test cluster (``cluster.testcluster``) each
-node's agent runs on its own host. No Ray.
+rendezvous-store`` behind a Service; through orch's tunnel when ``ORCH_RUN_SECRET`` is set), hosting none
+itself. On a test cluster (``cluster.testcluster``) each node's agent runs on its own host. No Ray.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional, TextIO
 
@@ -50,6 +51,9 @@ class LocalLauncher:
         store = None if r.external else RendezvousStore(tc.bridge_address if tc else r.host, r.port, secret=secret,
                                                         on_refused=refusal_recorder(events))
         port = store.port if store else r.port
+        # An external store is gated when the driver was given the run's secret (k8s.run_secret in a pod): the
+        # store pod holds the same one, so agents dial it through the tunnel as they would a hosted gated store.
+        gated = store is not None or bool(r.external and os.environ.get(RUN_SECRET_ENV))
         lighthouse = Lighthouse.for_run(self.cfg, tc.bridge_address if tc else r.host)
         plan = build_plan(self.cfg, str(self.run_dir), self.run_id, store_port=port, testcluster=tc,
                           lighthouse=lighthouse.address if lighthouse else None)
@@ -70,7 +74,7 @@ class LocalLauncher:
             pool = LocalNodePool(slots=2 * len(self.node_ids), echo=self.echo)
         controller = Controller(self.cfg, plan, pool, events, nodes=self.node_ids,
                                 evict=store.evict if store else None, notify=notice_sender(str(self.run_dir)),
-                                hooks=hooks, pod=self.pod, agent_env={RUN_SECRET_ENV: secret}, gated=store is not None)
+                                hooks=hooks, pod=self.pod, agent_env={RUN_SECRET_ENV: secret}, gated=gated)
         try:
             return run_with_signals(controller, str(self.run_dir), self.cfg.preemption.schedule)
         finally:

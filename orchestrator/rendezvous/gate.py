@@ -24,6 +24,8 @@ import threading
 import time
 from typing import Callable, Optional
 
+from orchestrator.rundir import EventName
+
 RUN_SECRET_ENV = "ORCH_RUN_SECRET"
 CHALLENGE_BYTES = 16
 HANDSHAKE_TIMEOUT_S = 5.0
@@ -45,7 +47,7 @@ def refusal_recorder(events) -> Callable[[str], None]:
         now = time.monotonic()
         if now - last.get(host, -1e9) >= 1.0:
             last[host] = now
-            events.emit("store_client_refused", peer=peer, reason="no proof of the run's secret")
+            events.emit(EventName.STORE_CLIENT_REFUSED, peer=peer, reason="no proof of the run's secret")
 
     return record
 

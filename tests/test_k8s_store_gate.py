@@ -1,0 +1,183 @@
+"""``k8s.run_secret``: the Kubernetes store gated with the run's secret, as under ``orch launch``. Rendering puts
+a Secret reference (never a value) into the store's and the nodes' containers of every format that runs orch's
+store; ``orch rendezvous-store`` with ``ORCH_RUN_SECRET`` refuses clients that cannot prove it and serves orch's
+tunnel; a pod's launcher (``rendezvous.external``) then starts its agents through the tunnel."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from k8s_validation import pod_templates, validate_all
+from orchestrator.cli import main as orch_main
+from orchestrator.k8s import render
+from orchestrator.rendezvous.gate import CHALLENGE_BYTES, RUN_SECRET_ENV, StoreTunnel
+from orchproc import ORCH, orch_env, wait_for
+
+OWN_STORE = ["job", "jobset", "trainjob", "pytorchjob"]  # formats whose pods dial `orch rendezvous-store`
+SENTINEL = "d0-not-render-me-" + "7f" * 16  # the driver's own secret: must never reach a manifest
+LISTENING = re.compile(r"rendezvous store listening on \S+ port (\d+)")
+
+# A client without the secret, in a process of its own (a hung torch client cannot hold up the test).
+PLAIN_CLIENT = """
+import sys
+from datetime import timedelta
+from torch.distributed import TCPStore
+try:
+    store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=3))
+    store.set("k", "v")
+    print("WROTE", store.get("k").decode())
+except Exception as exc:
+    print("REFUSED", type(exc).__name__)
+"""
+
+
+def rendered(fmt: str, *extra: str):
+    return render("cpu_gloo", ["checkpoint.url=s3://b/c", "run.id=g1", *extra], fmt)
+
+
+def orch_containers(objs: list[dict]) -> list[dict]:
+    """Every container of every pod template (each runs orch: the store or a node)."""
+    return [c for o in objs for t in pod_templates(o) for c in t["spec"]["containers"]]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fmt", OWN_STORE)
+@pytest.mark.parametrize("ref, name, key", [("rdzv", "rdzv", "secret"), ("rdzv/token", "rdzv", "token")])
+def test_run_secret_reaches_the_store_and_every_node_as_a_reference_only(monkeypatch, fmt, ref, name, key):
+    monkeypatch.setenv(RUN_SECRET_ENV, SENTINEL)
+    result = rendered(fmt, f"k8s.run_secret={ref}")
+    validate_all(result.objects)
+    containers = orch_containers(result.objects)
+    assert {c["name"] for c in containers} >= {"store"} and len(containers) >= 2
+    for c in containers:
+        (env,) = [e for e in c["env"] if e["name"] == RUN_SECRET_ENV]
+        assert env == {"name": RUN_SECRET_ENV, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}}, c["name"]
+    text = result.text()
+    assert SENTINEL not in text and text.count(f"name: {RUN_SECRET_ENV}") == len(containers)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fmt", OWN_STORE)
+def test_without_run_secret_no_container_gets_one(fmt):
+    assert RUN_SECRET_ENV not in rendered(fmt).text()
+    (store,) = [c for c in orch_containers(rendered(fmt).objects) if c["name"] == "store"]
+    assert "env" not in store  # the store's container as before
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, words", [
+    (["k8s.run_secret=Bad_Name!"], ["k8s.run_secret=Bad_Name!"]),  # Hydra's own parse error names it
+    (["k8s.run_secret='Bad_Name!'"], ["k8s.run_secret='Bad_Name!' is invalid", "Fix: name a Secret", "NAME/KEY"]),
+    (["k8s.run_secret=Bad_Name"], ["k8s.run_secret='Bad_Name' is invalid", "Fix:"]),
+    (["k8s.run_secret=rdzv/a/b"], ["k8s.run_secret='rdzv/a/b' is invalid", "Fix:"]),
+    (["k8s.run_secret=rdzv", "--format", "rayjob"], ["k8s.run_secret='rdzv' has no store to gate in --format rayjob",
+                                                     "Fix: drop k8s.run_secret"]),
+])
+def test_a_bad_run_secret_exits_2_with_one_line(tmp_path, capsys, args, words):
+    argv = ["k8s", "render", "conf=cpu_gloo", "checkpoint.url=s3://b/c", *args, "-o", str(tmp_path / "o")]
+    assert orch_main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("orch: error: "), err
+    for word in words:
+        assert word in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def start_store(env: dict[str, str], log: Path) -> tuple[subprocess.Popen, int]:
+    """``orch rendezvous-store`` on a free loopback port; returns the process and the port it printed."""
+    proc = subprocess.Popen([*ORCH, "rendezvous-store", "--port", "0", "--host", "127.0.0.1"], env=orch_env(env),
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    match = wait_for(lambda: LISTENING.search(log.read_text()) or (proc.poll() is not None and log.read_text() + " "),
+                     45, "the store to listen")
+    assert isinstance(match, re.Match), match
+    return proc, int(match.group(1))
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def plain_client(port: int) -> str:
+    return subprocess.run([sys.executable, "-c", PLAIN_CLIENT, str(port)], capture_output=True, text=True,
+                          timeout=40).stdout.strip()
+
+
+@pytest.mark.timeout(60)
+def test_a_gated_store_process_refuses_a_plain_client_and_serves_the_tunnel(tmp_path):
+    from torch.distributed import TCPStore
+
+    secret, log = "s3cr3t-" + "ab" * 16, tmp_path / "store.log"
+    env = {k: v for k, v in os.environ.items() if k != RUN_SECRET_ENV}
+    proc, port = start_store({**env, RUN_SECRET_ENV: secret}, log)
+    try:
+        assert plain_client(port).startswith("REFUSED")
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:  # a wrong answer: cut off
+            assert len(raw.recv(CHALLENGE_BYTES)) == CHALLENGE_BYTES
+            raw.sendall(b"\0" * 32)
+            raw.settimeout(10)
+            try:
+                assert raw.recv(1) == b""
+            except ConnectionResetError:
+                pass
+        tunnel = StoreTunnel(("127.0.0.1", port), secret)
+        try:
+            client = TCPStore("127.0.0.1", tunnel.port, is_master=False, timeout=timedelta(seconds=10))
+            client.set("member", "was here")
+            assert client.get("member") == b"was here"
+        finally:
+            tunnel.close()
+        text = log.read_text()
+        assert "gated" in text and secret not in text
+    finally:
+        stop(proc)
+    assert secret not in log.read_text()
+
+
+@pytest.mark.timeout(60)
+def test_a_store_process_without_the_secret_accepts_a_plain_client(tmp_path):
+    log = tmp_path / "store.log"
+    proc, port = start_store({k: v for k, v in os.environ.items() if k != RUN_SECRET_ENV}, log)
+    try:
+        assert plain_client(port) == "WROTE v"
+        assert "gated" not in log.read_text()
+    finally:
+        stop(proc)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("secret, gated", [("s3cr3t", True), (None, False)])
+def test_a_pods_launcher_tunnels_to_the_external_store_only_with_the_secret(monkeypatch, tmp_path, secret, gated):
+    from orchestrator.config.compose import compose_config
+    from orchestrator.launchers import local
+
+    seen: dict = {}
+
+    class Recorder:
+        def __init__(self, *args, **kwargs):
+            seen.update(kwargs)
+
+    monkeypatch.setattr(local, "Controller", Recorder)
+    monkeypatch.setattr(local, "run_with_signals", lambda controller, *_: "succeeded")
+    if secret:
+        monkeypatch.setenv(RUN_SECRET_ENV, secret)
+    else:
+        monkeypatch.delenv(RUN_SECRET_ENV, raising=False)
+    cfg = compose_config("cpu_gloo", ["rendezvous.external=true", "rendezvous.host=orch-g1-rdzv",
+                                      "rendezvous.port=29400", "cluster.node_index=1", "run.id=g1"])
+    assert local.LocalLauncher(cfg, str(tmp_path), "g1").run() == "succeeded"
+    assert seen["gated"] is gated
+    if secret:
+        assert seen["agent_env"] == {RUN_SECRET_ENV: secret}
