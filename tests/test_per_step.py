@@ -229,6 +229,17 @@ def test_per_step_plan_gives_each_node_its_own_group_and_no_secret():
     for node in plan.nodes:
         assert "--nnodes=1" in node.argv and node.env["TORCHFT_LIGHTHOUSE"] == lighthouse.address
     assert "ORCH_RUN_SECRET" not in plan.to_json()  # added by the controller when an agent starts
+    assert "note:" not in plan.format_text()  # an elastic range: survivors go on alone
+
+
+@needs_torchft
+def test_per_step_dry_run_says_when_survivors_would_wait_for_a_replacement(tmp_path):
+    fixed = run_orch("launch", "conf=cpu_elastic", "cluster.nnodes=2", "fault_tolerance.mode=per_step", "--dry-run",
+                     f"run.dir={tmp_path / 'r'}")
+    assert fixed.returncode == 0, fixed.stderr
+    assert "MIN = MAX = 2 nodes" in fixed.stdout and "cluster.nnodes=1:2" in fixed.stdout
+    restart = run_orch("launch", "conf=cpu_elastic", "cluster.nnodes=2", "--dry-run", f"run.dir={tmp_path / 'r'}")
+    assert restart.returncode == 0 and "note:" not in restart.stdout
 
 
 @needs_torchft

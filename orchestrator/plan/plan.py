@@ -88,6 +88,10 @@ class LaunchPlan:
         ]
         for group, values in self.settings.items():
             lines.append(f"  {group + ':':<13} " + ", ".join(f"{k}={v}" for k, v in values.items()))
+        if self.settings.get("fault_tolerance", {}).get("mode") == "per_step" and self.min_nodes == self.max_nodes > 1:
+            lines.append(f"  note:         per_step with MIN = MAX = {self.max_nodes} nodes: the survivors of a loss keep "
+                         f"their state but train only once a replacement joins (cluster.nnodes=1:{self.max_nodes} "
+                         "lets them go on)")
         for node in self.nodes:
             lines.append(f"  node {node.node}:")
             if node.netns:
