@@ -56,10 +56,14 @@ def test_killed_launch_resumes_bit_identical(tmp_path):
     assert_resumes_exactly(tmp_path, lambda run_dir: [])
 
 
-def test_killed_launch_resumes_bit_identical_from_s3(tmp_path, s3_bucket):
-    assert_resumes_exactly(tmp_path, lambda run_dir: [f"checkpoint.url=s3://{s3_bucket}/{run_dir.name}/ckpt"])
-    steps = CheckpointManager(f"s3://{s3_bucket}/resumed/ckpt").list()
+def test_killed_launch_resumes_bit_identical_from_s3_in_safetensors(tmp_path, s3_bucket):
+    """Object storage and the pickle-free format in one drill (each alone is covered by the fast tier)."""
+    assert_resumes_exactly(tmp_path, lambda run_dir: [f"checkpoint.url=s3://{s3_bucket}/{run_dir.name}/ckpt",
+                                                      "checkpoint.format=safetensors"])
+    manager = CheckpointManager(f"s3://{s3_bucket}/resumed/ckpt")
+    steps = manager.list()
     assert steps and all(info.valid for info in steps) and steps[-1].step == 150
+    assert {"model.safetensors", "model.json"} <= set(manager.storage.list_files("step_000000150"))
 
 
 def test_node_kill_resumes_at_smaller_world_with_every_sample_once(tmp_path):
@@ -143,11 +147,3 @@ def test_model_that_does_not_fit_the_checkpoint_is_refused_with_its_keys(tmp_pat
                      "cluster.max_restarts=0", f"run.dir={run_dir}")
     assert again.returncode == 1
     assert "does not fit the model" in again.stderr and "shape changed (" in again.stderr and "embedding_norm.weight (64,)->(32,)" in again.stderr
-
-
-def test_killed_launch_resumes_bit_identical_with_safetensors(tmp_path):
-    assert_resumes_exactly(tmp_path, lambda run_dir: ["checkpoint.format=safetensors"])
-    newest = CheckpointManager(str(tmp_path / "resumed" / "checkpoints")).list()[-1]
-    assert newest.step == 150 and newest.url.endswith("step_000000150")
-    assert {"model.safetensors", "model.json"} <= set(CheckpointManager(newest.url.rsplit("/", 1)[0]).storage.list_files(
-        "step_000000150"))
