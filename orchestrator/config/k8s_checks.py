@@ -69,9 +69,21 @@ def check_secrets(secrets: dict) -> None:
         key = f"k8s.secrets.{name}"
         _require(key, ref, _match(ENV_NAME, str(name)), "use letters, digits, '_', '-' and '.'",
                  "has an invalid variable name")
-        secret, slash, item = str(ref).partition("/")
-        _require(key, ref, _match(DNS_SUBDOMAIN, secret) and (not slash or _match(r"^[-._a-zA-Z0-9]+$", item)),
+        _require(key, ref, _secret_ref_ok(str(ref)),
                  "name a Secret, and optionally its key: SECRET or SECRET/KEY (default key: the variable's name)")
+
+
+def check_run_secret(ref: str) -> None:
+    """``k8s.run_secret``: ``''`` (off), or the Secret holding the run's secret, ``NAME`` or ``NAME/KEY``."""
+    _require("k8s.run_secret", ref, not ref or (_secret_ref_ok(ref) and len(ref.partition("/")[0]) <= 253),
+             "name a Secret you created, NAME (key 'secret') or NAME/KEY, e.g. k8s.run_secret=orch-run-secret "
+             "(lower-case letters, digits, '-' and '.'), or '' for none")
+
+
+def _secret_ref_ok(ref: str) -> bool:
+    """``SECRET`` or ``SECRET/KEY``: a Secret's name, and optionally a key in it."""
+    secret, slash, item = ref.partition("/")
+    return _match(DNS_SUBDOMAIN, secret) and (not slash or _match(r"^[-._a-zA-Z0-9]+$", item))
 
 
 def check_volumes(volumes: list) -> None:

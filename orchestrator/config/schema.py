@@ -18,7 +18,7 @@ from typing import Any, Optional
 from omegaconf import MISSING
 
 from orchestrator.config import k8s_checks
-from orchestrator.config.k8s_checks import DNS_LABEL, DNS_SUBDOMAIN, QUANTITY
+from orchestrator.config.k8s_checks import DNS_LABEL, QUANTITY
 from orchestrator.errors import ConfigError
 
 BACKENDS = ("nccl", "gloo")
@@ -535,12 +535,7 @@ class K8sConfig:
         k8s_checks.check_labels("k8s.node_selector", self.node_selector)
         k8s_checks.check_secrets(self.secrets)
         k8s_checks.check_volumes(self.volumes)
-        name, slash, key = str(self.run_secret or "").partition("/")
-        _require("k8s.run_secret", self.run_secret, not self.run_secret or (
-            re.match(DNS_SUBDOMAIN, name) is not None and len(name) <= 253
-            and (not slash or re.match(r"^[-._a-zA-Z0-9]+$", key) is not None)),
-            "name a Secret you created, NAME (key 'secret') or NAME/KEY, e.g. k8s.run_secret=orch-run-secret "
-            "(lower-case letters, digits, '-' and '.'), or '' for none")
+        k8s_checks.check_run_secret(self.run_secret)
 
 
 @dataclass

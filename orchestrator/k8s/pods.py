@@ -142,8 +142,7 @@ def run_secret_env(cfg: OrchConfig) -> list[dict[str, Any]]:
     reference only, so the secret is in no manifest. Empty when unset."""
     if not cfg.k8s.run_secret:
         return []
-    name, _, key = cfg.k8s.run_secret.partition("/")
-    return [{"name": RUN_SECRET_ENV, "valueFrom": {"secretKeyRef": {"name": name, "key": key or RUN_SECRET_KEY}}}]
+    return [secret_env(RUN_SECRET_ENV, cfg.k8s.run_secret, RUN_SECRET_KEY)]
 
 
 def refuse_run_secret(cfg: OrchConfig, fmt: str, why: str) -> None:
@@ -159,10 +158,14 @@ def user_env(cfg: OrchConfig) -> list[dict[str, Any]]:
     references to Secrets (the cluster fills them in; their values never appear in the manifest)."""
     env: list[dict[str, Any]] = [{"name": "HOME", "value": HOME}, {"name": "PYTHONUNBUFFERED", "value": "1"}]
     env += [{"name": str(name), "value": k8s_str(value)} for name, value in sorted(cfg.k8s.env.items())]
-    for name, ref in sorted(cfg.k8s.secrets.items()):
-        secret, _, key = str(ref).partition("/")
-        env.append({"name": str(name), "valueFrom": {"secretKeyRef": {"name": secret, "key": key or str(name)}}})
+    env += [secret_env(str(name), str(ref), str(name)) for name, ref in sorted(cfg.k8s.secrets.items())]
     return env
+
+
+def secret_env(name: str, ref: str, default_key: str) -> dict[str, Any]:
+    """The variable ``name`` from a Secret reference, ``SECRET`` (key ``default_key``) or ``SECRET/KEY``."""
+    secret, _, key = ref.partition("/")
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key or default_key}}}
 
 
 def training_container(cfg: OrchConfig, name: str, args: list[str], env: list[dict[str, Any]],
