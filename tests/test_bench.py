@@ -68,3 +68,29 @@ def test_bench_overhead_runs_plain_torchrun_and_orch(tmp_path):
     assert data["plain"]["samples_per_s"] > 0 and data["orch"]["samples_per_s"] > 0
     assert 0 < data["timing_overhead"] < 0.05 and data["buckets"] >= 1
     assert "throughput_ratio (orch / plain)" in result.stdout
+
+
+@pytest.mark.timeout(30)
+def test_goodput_per_step_runs_both_modes_on_the_elastic_job_and_reports_time_to_train(monkeypatch, tmp_path, capsys):
+    """A scripted ``run_job``: which launches the comparison asks for, and the ratios it derives from them."""
+    from orchestrator.bench import goodput
+
+    launches = []
+
+    def fake_run_job(run_dir, max_steps, overrides):
+        launches.append((run_dir.name, overrides))
+        preempted = run_dir.name == "preempted"
+        return {"goodput": {"goodput": 0.9 if preempted else 0.95, "lost_steps": 0, "badput": {"quorum_wait_s": 1.0}},
+                "preemptions": 3 if preempted else 0, "wall_s": 200.0 if preempted else 180.0}
+
+    monkeypatch.setattr(goodput, "run_job", fake_run_job)
+    out = tmp_path / "goodput.json"
+    both = goodput.main_goodput_bench(str(out), every_s=60, max_steps=100, mode="per_step")
+    assert [name for name, _ in launches] == ["no-preemption", "preempted"] * 2
+    for (_, overrides), mode in zip(launches, ["restart", "restart", "per_step", "per_step"]):
+        assert overrides[:2] == ["cluster.nnodes=1:2", f"fault_tolerance.mode={mode}"]
+    assert json.loads(out.read_text()) == both and set(both) == {"restart", "per_step"}
+    r = both["per_step"]
+    assert r["ratio"] == pytest.approx(0.9 / 0.95) and r["time_to_train_ratio"] == pytest.approx(180 / 200)
+    assert r["overrides"] == [*goodput.JOB, "cluster.nnodes=1:2", "fault_tolerance.mode=per_step"]
+    assert "time-to-train ratio" in capsys.readouterr().out
