@@ -21,7 +21,7 @@ from orchestrator.preemption.notices import deliver_notice
 from orchestrator.rundir import NODES_FILE, EventLog, EventName, latest_launch
 
 AGENT_MODULE = "torch.distributed.run"
-TUNNEL_MODULE = "orchestrator.rendezvous.tunnel"  # what the controller runs in torchrun's place when the store is gated
+TUNNEL_MODULE = "orchestrator.rendezvous.agent"  # what the controller runs in torchrun's place when the store is gated
 
 
 def node_pids(run_dir: str) -> dict[int, int]:

@@ -67,7 +67,8 @@ class EventName(StrEnum):
     STEP_DISCARDED = "step_discarded"  # a step that did not commit everywhere: redone with the same samples
     HANG_DETECTED = "hang_detected"  # a rank's heartbeat went silent: its stack, then its node is ended
     STRAGGLER = "straggler"  # a rank consistently busier per step than its peers (ratio)
-    STORE_CLIENT_REFUSED = "store_client_refused"  # a connection to the store without the run's secret
+    STORE_CLIENT_REFUSED = "store_client_refused"  # a connection to a port of the run without the run's secret
+    STORE_VALUE_REFUSED = "store_value_refused"  # a rendezvous state not sealed with the run's secret (key, peer)
     REPLICA_STARTED = "replica_started"  # a group's workers joined their own one-node rendezvous
     REPLICA_LEFT = "replica_left"  # a noticed group left at a step boundary, its peers holding the state
     TRAINING_FINISHED = "training_finished"

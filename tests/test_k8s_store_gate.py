@@ -18,7 +18,9 @@ import pytest
 from k8s_validation import pod_templates, validate_all
 from orchestrator.cli import main as orch_main
 from orchestrator.k8s import render
-from orchestrator.rendezvous.gate import CHALLENGE_BYTES, RUN_SECRET_ENV, StoreTunnel
+from orchestrator.rendezvous.agent import store_client
+from orchestrator.trust.handshake import MAGIC, NONCE_BYTES
+from orchestrator.trust.secret import RUN_SECRET_ENV
 from orchproc import ORCH, orch_env, wait_for
 
 OWN_STORE = ["job", "jobset", "trainjob", "pytorchjob"]  # formats whose pods dial `orch rendezvous-store`
@@ -66,10 +68,14 @@ def test_run_secret_reaches_the_store_and_every_node_as_a_reference_only(monkeyp
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fmt", OWN_STORE)
-def test_without_run_secret_no_container_gets_one(fmt):
-    assert RUN_SECRET_ENV not in rendered(fmt).text()
-    (store,) = [c for c in orch_containers(rendered(fmt).objects) if c["name"] == "store"]
-    assert "env" not in store  # the store's container as before
+def test_with_run_secret_empty_no_container_gets_one_and_the_render_warns(fmt):
+    """``k8s.run_secret=''`` is the explicit opt-out; the default gates the store with a Secret named after the
+    job (tests/security/test_k8s_hardening.py)."""
+    result = rendered(fmt, "k8s.run_secret=''")
+    assert RUN_SECRET_ENV not in result.text()
+    (store,) = [c for c in orch_containers(result.objects) if c["name"] == "store"]
+    assert "env" not in store  # the store's container as before the gate
+    assert any(w.startswith("k8s.run_secret='': the rendezvous store is not gated") for w in result.warnings)
 
 
 @pytest.mark.timeout(60)
@@ -116,29 +122,28 @@ def plain_client(port: int) -> str:
 
 
 @pytest.mark.timeout(60)
-def test_a_gated_store_process_refuses_a_plain_client_and_serves_the_tunnel(tmp_path):
-    from torch.distributed import TCPStore
-
+def test_a_gated_store_process_refuses_a_plain_client_and_serves_a_relay(tmp_path):
     secret, log = "s3cr3t-" + "ab" * 16, tmp_path / "store.log"
     env = {k: v for k, v in os.environ.items() if k != RUN_SECRET_ENV}
     proc, port = start_store({**env, RUN_SECRET_ENV: secret}, log)
     try:
         assert plain_client(port).startswith("REFUSED")
         with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:  # a wrong answer: cut off
-            assert len(raw.recv(CHALLENGE_BYTES)) == CHALLENGE_BYTES
+            assert len(raw.recv(len(MAGIC) + NONCE_BYTES)) == len(MAGIC) + NONCE_BYTES
+            raw.sendall(b"\0" * NONCE_BYTES + b"\0\x09store/run")
+            raw.recv(32)  # the server's proof
             raw.sendall(b"\0" * 32)
             raw.settimeout(10)
             try:
                 assert raw.recv(1) == b""
             except ConnectionResetError:
                 pass
-        tunnel = StoreTunnel(("127.0.0.1", port), secret)
+        client, relay = store_client(("127.0.0.1", port), secret, timeout_s=10)
         try:
-            client = TCPStore("127.0.0.1", tunnel.port, is_master=False, timeout=timedelta(seconds=10))
             client.set("member", "was here")
             assert client.get("member") == b"was here"
         finally:
-            tunnel.close()
+            relay.close()
         text = log.read_text()
         assert "gated" in text and secret not in text
     finally:
@@ -159,7 +164,7 @@ def test_a_store_process_without_the_secret_accepts_a_plain_client(tmp_path):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("secret, gated", [("s3cr3t", True), (None, False)])
-def test_a_pods_launcher_tunnels_to_the_external_store_only_with_the_secret(monkeypatch, tmp_path, secret, gated):
+def test_a_pods_launcher_relays_to_the_external_store_only_with_the_secret(monkeypatch, tmp_path, secret, gated):
     from orchestrator.config.compose import compose_config
     from orchestrator.launchers import local
 

@@ -24,9 +24,12 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 
 from orchestrator.rendezvous import RendezvousStore
 from orchestrator.rendezvous import state as rs
+from orchestrator.rendezvous.agent import store_client
+from orchestrator.rendezvous.backend import SealedBackend
 
 pytestmark = pytest.mark.timeout(60)
 
+SECRET = "the-runs-secret"
 SETTINGS = dr.RendezvousSettings("job", 1, 3, dr.RendezvousTimeout(last_call=timedelta(seconds=1)),
                                  keep_alive_interval=timedelta(seconds=5), keep_alive_max_attempt=3)
 
@@ -51,20 +54,34 @@ def join_action(state: dr._RendezvousState, me: dr._NodeDesc) -> dr._Action:
 @pytest.fixture
 def store(monkeypatch):
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as orch's agents run
-    store = RendezvousStore()
+    store = RendezvousStore(secret=SECRET)
     yield store
     store.close()
 
 
 @pytest.fixture
-def joined(store):
-    """A state torch itself wrote: a real handler (this process as the agent) completed a round of one."""
-    backend = C10dRendezvousBackend(store.client(), "job")
-    handler = dr.DynamicRendezvousHandler.from_backend("job", store.client(), backend, min_nodes=1, max_nodes=1,
+def torch_client(store):
+    """torch's own TCPStore client of the store, through a relay, as an orch agent's torchrun has."""
+    client, relay = store_client(("127.0.0.1", store.port), SECRET)
+    yield client
+    relay.close()
+
+
+@pytest.fixture
+def joined(torch_client):
+    """A state torch itself wrote: a real handler (this process as the agent) on orch's sealed backend
+    completed a round of one."""
+    backend = SealedBackend(torch_client, "job", SECRET)
+    handler = dr.DynamicRendezvousHandler.from_backend("job", torch_client, backend, min_nodes=1, max_nodes=1,
                                                        local_addr="127.0.0.1")
     info = handler.next_rendezvous()
     yield handler, info
     handler._stop_heartbeats()
+
+
+def stored_payload(store) -> bytes:
+    """torch's base64 state as it is stored, inside orch's seal."""
+    return rs.unseal(SECRET, rs.state_key("job"), store.client().get(rs.state_key("job")))
 
 
 def load_recording_classes(pickled: bytes) -> tuple[object, set[tuple[str, str]]]:
@@ -95,9 +112,9 @@ def test_every_class_torchs_state_pickles_is_one_orch_decodes(store, joined):
     assert decoded.deadline == state.deadline and {m.pid for m in decoded.members()} >= {7, 8}
 
 
-def test_the_store_key_and_its_placeholder(store):
+def test_the_store_key_and_its_placeholder(store, torch_client):
     client = store.client()
-    backend = C10dRendezvousBackend(client, "job")
+    backend = C10dRendezvousBackend(torch_client, "job")
     expect(getattr(backend, "_key", None) == rs.state_key("job"), "C10dRendezvousBackend._key",
            f"is {getattr(backend, '_key', None)!r}, orch reads {rs.state_key('job')!r}")
     sentinel = getattr(C10dRendezvousBackend, "_NULL_SENTINEL", None)
@@ -109,7 +126,7 @@ def test_the_store_key_and_its_placeholder(store):
 
 
 def test_the_stored_value_is_a_base64_pickle_of_torchs_state_class(store, joined):
-    raw = store.client().get(rs.state_key("job"))
+    raw = stored_payload(store)
     try:
         obj, named = load_recording_classes(base64.b64decode(raw, validate=True))
     except Exception as e:
@@ -132,7 +149,7 @@ def test_every_field_of_a_round_torch_formed(store, joined):
            f"are {[f.name for f in fields(dr._NodeDesc)]}, orch reads {list(rs.MEMBER_FIELDS)}")
     expect(me.pid == os.getpid() and me.addr == "127.0.0.1", "_NodeDesc.pid/addr",
            f"an agent's descriptor is {me!r}; orch evicts by the agent's PID on its --local-addr")
-    state = rs.read_state(store.client(), "job")
+    state = rs.read_state(store.client(), "job", SECRET)
     member = rs.Member(me.addr, me.pid, me.local_id)
     expect(state.complete is True and state.closed is False, "_RendezvousState.complete/closed",
            f"a formed round reads complete={state.complete!r} closed={state.closed!r}")
@@ -151,10 +168,11 @@ def test_every_field_of_a_round_torch_formed(store, joined):
 def test_what_orch_writes_torchs_agents_read_back_and_unknown_fields_survive(store, joined):
     handler, _ = joined
     client = store.client()
-    extra_set = rs.update_state(client, "job", lambda s: s.extra.update(future_field=[1, 2]) or True)
+    extra_set = rs.update_state(client, "job", lambda s: s.extra.update(future_field=[1, 2]) or True, secret=SECRET)
     assert extra_set
     waiting = node(4242)
-    assert rs.update_state(client, "job", lambda s: s.wait_list.add(rs.Member("127.0.0.1", 4242, 0)) or True)
+    assert rs.update_state(client, "job", lambda s: s.wait_list.add(rs.Member("127.0.0.1", 4242, 0)) or True,
+                           secret=SECRET)
     holder = handler._state_holder
     holder._last_sync_time = -1  # past torch's one-second cache: read the store now
     holder.sync()

@@ -78,10 +78,10 @@ def has_workers(pid: int) -> bool:
         return False
 
 
-def in_complete_round(client, run_id: str, pid: int) -> bool:
+def in_complete_round(client, run_id: str, pid: int, secret: str | None = None) -> bool:
     from orchestrator.rendezvous.state import read_state
 
-    state = read_state(client, run_id)
+    state = read_state(client, run_id, secret)
     return bool(state and state.complete and pid in {m.pid for m in state.participants})
 
 
@@ -145,15 +145,14 @@ def test_orch_recovers_at_once_when_a_grown_back_node_dies_before_its_first_step
     back, and its replacement dies the moment the round of three has formed and its workers start. orch evicts
     it and reopens that round: the survivors train again within the bound, and the run finishes."""
     from orchestrator.processes import kill_tree
-    from orchestrator.rendezvous.gate import StoreTunnel
-    from orchestrator.rendezvous.state import connect
+    from orchestrator.rendezvous.agent import store_client
 
     run_dir, secret = tmp_path / "run", "recovery-test-secret"
     # The test watches the round through the store's gate, as an agent would: with the run's secret.
     proc = start_orch("launch", "conf=cpu_elastic", "launcher=local", "cluster.nnodes=1:3",
                       f"trainer.max_steps={MAX_STEPS}", "trainer.log_every=1", f"run.dir={run_dir}",
                       log=tmp_path / "orch.log", env={"ORCH_RUN_SECRET": secret})
-    tunnel = None
+    relay = None
     metrics = run_dir / "metrics.jsonl"
 
     def steps_since(t: float, world_size: int) -> list[dict]:
@@ -169,9 +168,8 @@ def test_orch_recovers_at_once_when_a_grown_back_node_dies_before_its_first_step
 
         joined = wait_for(lambda: events_after(run_dir, lost_t, "node_joined", node=2), 120, "node 2 grown back")[0]
         host, port = json.loads((run_dir / "plan.json").read_text())["rendezvous_endpoint"].rsplit(":", 1)
-        tunnel = StoreTunnel((host, int(port)), secret)
-        client = connect("127.0.0.1", tunnel.port)
-        wait_for(lambda: in_complete_round(client, joined["rdzv_id"], joined["pid"]) and has_workers(joined["pid"]),
+        client, relay = store_client((host, int(port)), secret)
+        wait_for(lambda: in_complete_round(client, joined["rdzv_id"], joined["pid"], secret) and has_workers(joined["pid"]),
                  120, "a round of three with the grown-back node's workers starting", interval=0.02)
         kill_tree(joined["pid"])
         killed_t = time.time()
@@ -185,8 +183,8 @@ def test_orch_recovers_at_once_when_a_grown_back_node_dies_before_its_first_step
         assert proc.wait(timeout=240) == 0, (tmp_path / "orch.log").read_text()[-3000:]
     finally:
         stop_tree(proc.pid)
-        if tunnel is not None:
-            tunnel.close()
+        if relay is not None:
+            relay.close()
     s = summary(run_dir)
     assert s["status"] == "succeeded" and s["steps_completed"] == MAX_STEPS
     assert events_after(run_dir, killed_t - 60, "rendezvous_evicted", node=2, agent_pid=joined["pid"])

@@ -1,6 +1,7 @@
-"""What a client that reaches the rendezvous store can and cannot do to orch: a pickle written under the
-rendezvous key never runs code in orch (decode resolves only the classes of torch's state), and the store
-listens on the plan's address only. Fast: one store on loopback, no subprocesses."""
+"""What a pickle in the rendezvous store can and cannot do to orch's driver: the store refuses a state without the
+run's seal, and a payload that got there anyway never runs code in orch (the seal is checked first, and decode
+resolves only the classes of torch's state); the store opens one port, on the plan's address only. Fast: one
+store on loopback (the attacks on the gate itself are in tests/security/)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
 from orchestrator.rendezvous import RendezvousStore
 from orchestrator.rendezvous import state as rs
+from orchestrator.rendezvous.kvstore import KEY_PREFIX
 from orchestrator.rendezvous.rounds import RoundWatch
+from security.attackers import STRANGER
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -74,9 +77,12 @@ def payloads(marker: Path) -> dict[str, tuple[bytes, str]]:
     }
 
 
+SECRET = "the-runs-secret"
+
+
 @pytest.fixture
 def store():
-    store = RendezvousStore()
+    store = RendezvousStore(secret=SECRET)
     yield store
     store.close()
 
@@ -116,22 +122,25 @@ def test_decode_refuses_a_payload_naming_its_class_and_runs_nothing(tmp_path, na
 
 @pytest.mark.parametrize("name", list(payloads(Path("/nonexistent"))))
 def test_a_payload_in_the_store_is_left_alone_by_evict_roundwatch_and_read_state(store, tmp_path, name):
+    """A payload in the store (put there behind the store's back: its write policy refuses unsealed states)."""
     marker = tmp_path / "MARKER"
     pickled, cls = payloads(marker)[name]
     raw = base64.b64encode(pickled)
     client = store.client()
     client.set(rs.state_key(RUN), raw)
+    assert not client.check([rs.state_key(RUN)]), "the store refuses a state without the run's seal"
+    store.kv._data[KEY_PREFIX + rs.state_key(RUN)] = raw
 
     assert not store.evict(RUN, 11)
-    watch = RoundWatch(store.host, store.port, RUN, silence_s=1)
+    watch = RoundWatch(store.client, RUN, silence_s=1, secret=SECRET)
     try:
         assert watch.members() is None and watch.silent() == []
     finally:
         watch.close()
-    with pytest.raises(rs.RendezvousStateError, match=f"refused to unpickle {cls}:"):
-        rs.read_state(client, RUN)
-    with pytest.raises(rs.RendezvousStateError):
+    with pytest.raises(rs.ForgedStateError):
         store.state(RUN)
+    with pytest.raises(rs.RendezvousStateError, match=f"refused to unpickle {cls}:"):
+        rs.read_state(client, RUN)  # without the seal check, the restricted unpickler still refuses it
 
     assert client.get(rs.state_key(RUN)) == raw  # nobody rewrote it
     assert not marker.exists()
@@ -143,9 +152,15 @@ def listening(port: int) -> list[tuple[str, int]]:
                   if c.status == psutil.CONN_LISTEN and c.laddr.port == port)
 
 
-def test_the_store_listens_on_the_plans_address_only():
-    store = RendezvousStore("127.0.0.1", 0)
+def listening_ports() -> set[int]:
+    return {c.laddr.port for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+
+
+def test_the_store_opens_one_port_on_the_plans_address_only():
+    before = listening_ports()
+    store = RendezvousStore("127.0.0.1", 0, secret=SECRET)
     try:
+        assert listening_ports() - before == {store.port}, "no TCPStore server behind the gate, not even on loopback"
         assert listening(store.port) == [("127.0.0.1", store.port)]
         client = store.client()
         client.set("k", "v")
@@ -153,11 +168,11 @@ def test_the_store_listens_on_the_plans_address_only():
     finally:
         port = store.port
         store.close()
-    assert listening(port) == []  # torch closed the descriptor orch handed it
+    assert listening(port) == []
 
 
 def test_a_store_asked_to_listen_everywhere_does():
-    store = RendezvousStore("127.0.0.1", 0, listen="0.0.0.0")
+    store = RendezvousStore("127.0.0.1", 0, listen="0.0.0.0", secret=SECRET)
     try:
         assert listening(store.port) == [("0.0.0.0", store.port)]
         assert store.client().check(["nothing"]) is False
@@ -166,99 +181,57 @@ def test_a_store_asked_to_listen_everywhere_does():
 
 
 def test_a_port_in_use_is_an_error_not_a_shared_server():
-    first = RendezvousStore("127.0.0.1", 0)
+    first = RendezvousStore("127.0.0.1", 0, secret=SECRET)
     try:
         with pytest.raises(OSError):
-            RendezvousStore("127.0.0.1", first.port)
+            RendezvousStore("127.0.0.1", first.port, secret=SECRET)
     finally:
         first.close()
 
 
-# -- the gate: only a client holding the run's secret reaches the store -------------------------------------
-
-# An attacker's client, in a process of its own (another host on a test cluster): torch's TCPStore client
-# writes a pickled payload under the rendezvous key. Prints WROTE or REFUSED.
-ATTACKER = """
-import sys
-from datetime import timedelta
-from torch.distributed import TCPStore
-host, port, key, value = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-try:
-    TCPStore(host, port, is_master=False, timeout=timedelta(seconds=2)).set(key, value)
-    print("WROTE")
-except Exception as exc:
-    print("REFUSED", type(exc).__name__)
-"""
-
-# A client holding the secret (ORCH_RUN_SECRET in its environment), through orch's tunnel, as agents do.
-MEMBER = """
-import os, sys
-from datetime import timedelta
-from torch.distributed import TCPStore
-from orchestrator.rendezvous.gate import StoreTunnel
-tunnel = StoreTunnel((sys.argv[1], int(sys.argv[2])), os.environ["ORCH_RUN_SECRET"])
-TCPStore("127.0.0.1", tunnel.port, is_master=False, timeout=timedelta(seconds=10)).set("member", "was here")
-print("WROTE")
-"""
-
-
-def attack_gated_store(store: RendezvousStore, marker: Path, wrap=lambda argv: argv) -> str:
-    """Run the attacker against ``store``'s public address with an os.system payload; returns its verdict
-    after orch has read and evicted from the rendezvous state (which would run the payload, had it landed)."""
-    pickled, _ = payloads(marker)["os.system"]
-    argv = wrap([sys.executable, "-c", ATTACKER, store.host, str(store.port), rs.state_key(RUN),
-                 base64.b64encode(pickled).decode()])
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout.strip()
-    deadline = time.monotonic() + 10
-    while not store.gate.refused and time.monotonic() < deadline:  # the gate closes the connection, then counts
-        time.sleep(0.05)
-    assert store.state(RUN) is None, "nothing reached the store"
-    store.evict(RUN, 4242)
-    return out
-
-
-def test_a_gated_store_refuses_a_client_without_the_secret_and_serves_one_with_it(tmp_path):
-    from orchestrator.rendezvous.gate import new_run_secret
-
-    refused: list[str] = []
-    secret = new_run_secret()
-    store = RendezvousStore("127.0.0.1", 0, secret=secret, on_refused=refused.append)
-    try:
-        assert store.local_address[0] == "127.0.0.1" and store.local_address[1] != store.port
-        assert listening(store.local_address[1]) == [("127.0.0.1", store.local_address[1])]
-        verdict = attack_gated_store(store, tmp_path / "MARKER")
-        assert verdict.startswith("REFUSED") and refused and not (tmp_path / "MARKER").exists()
-        member = subprocess.run([sys.executable, "-c", MEMBER, store.host, str(store.port)], capture_output=True,
-                                text=True, timeout=60, env={**os.environ, "ORCH_RUN_SECRET": secret})
-        assert member.stdout.strip() == "WROTE", member.stderr[-2000:]
-        assert store.client().get("member") == b"was here"
-        wrong = subprocess.run([sys.executable, "-c", MEMBER, store.host, str(store.port)], capture_output=True,
-                               text=True, timeout=60, env={**os.environ, "ORCH_RUN_SECRET": "a guess"})
-        assert wrong.returncode != 0 and "WROTE" not in wrong.stdout
-    finally:
-        store.close()
+def test_a_hosted_store_needs_the_runs_secret():
+    with pytest.raises(ValueError, match="secret"):
+        RendezvousStore("127.0.0.1", 0, secret="")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.testcluster(nodes=1)
 def test_on_a_test_host_a_client_without_the_secret_is_refused_and_the_payload_never_runs(testcluster, tmp_path):
-    from orchestrator.rendezvous.gate import new_run_secret
     from orchestrator.testcluster.state import enter_argv
 
-    tc, secret, refused = testcluster, new_run_secret(), []
-    store = RendezvousStore(tc.store_address, 0, secret=secret, on_refused=refused.append)
+    tc, refused = testcluster, []
+    store = RendezvousStore(tc.store_address, 0, secret=SECRET, on_refused=lambda peer, why: refused.append(peer))
     on_host = lambda argv: list(enter_argv(tc.netns[0], tc.hostnames[0], argv))  # noqa: E731
+    marker = tmp_path / "MARKER"
     try:
-        # The gate listens on the bridge only; the store itself on the driver's loopback, out of the host's reach.
         assert listening(store.port) == [(tc.store_address, store.port)]
-        assert listening(store.local_address[1]) == [("127.0.0.1", store.local_address[1])]
-        verdict = attack_gated_store(store, tmp_path / "MARKER", on_host)
-        assert verdict.startswith("REFUSED") and not (tmp_path / "MARKER").exists()
+        pickled, _ = payloads(marker)["os.system"]
+        argv = on_host([sys.executable, "-c", STRANGER, store.host, str(store.port), rs.state_key(RUN),
+                        base64.b64encode(pickled).decode()])
+        verdict = subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout.strip()
+        deadline = time.monotonic() + 10
+        while not refused and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert verdict.startswith("REFUSED") and not marker.exists() and store.state(RUN) is None
         assert refused and refused[0].startswith(tc.addresses[0] + ":"), refused
-        member = subprocess.run(on_host([sys.executable, "-c", MEMBER, store.host, str(store.port)]), capture_output=True,
-                                text=True, timeout=60, env={**os.environ, "ORCH_RUN_SECRET": secret})
+        member = subprocess.run(on_host([sys.executable, "-c", MEMBER, store.host, str(store.port)]),
+                                capture_output=True, text=True, timeout=60, env={**os.environ, "ORCH_RUN_SECRET": SECRET})
         assert member.stdout.strip() == "WROTE", member.stderr[-2000:]
+        deadline = time.monotonic() + 10
+        while not store.client().check(["member"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert store.client().get("member") == b"was here"
     finally:
         store.close()
+
+
+# A client holding the secret (ORCH_RUN_SECRET in its environment), through a relay of its own, as agents do.
+MEMBER = """
+import os, sys
+from orchestrator.rendezvous.agent import store_client
+client, relay = store_client((sys.argv[1], int(sys.argv[2])), os.environ["ORCH_RUN_SECRET"])
+client.set("member", "was here")
+client.get("member")
+print("WROTE")
+"""

@@ -10,18 +10,20 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (DynamicRendezvousHandler, RendezvousBackend,
                                                                      RendezvousSettings, RendezvousTimeout,
                                                                      _BackendRendezvousStateHolder, _NodeDesc)
 
 from orchestrator.rendezvous import RendezvousStore
+from orchestrator.rendezvous.agent import store_client
+from orchestrator.rendezvous.backend import SealedBackend
 from orchestrator.rendezvous.state import (Member, RendezvousState, RendezvousStateError, decode, encode, evict_member,
                                            state_key, update_state)
 
 pytestmark = pytest.mark.timeout(60)
 
 ADDR = "127.0.0.1"  # every agent on this host; orch tells agents apart by PID (fake ones here)
+SECRET = "the-runs-secret"
 
 
 class KillableBackend(RendezvousBackend):
@@ -49,16 +51,18 @@ class KillableBackend(RendezvousBackend):
         self.killed = True
 
 
-def agent(store: RendezvousStore, run_id: str, pid: int, min_nodes: int, max_nodes: int,
+def agent(store: RendezvousStore, run_id: str, pid: int, min_nodes: int, max_nodes: int, relays: list,
           last_call_s: float = 1.0) -> DynamicRendezvousHandler:
-    """torch's rendezvous handler as a torchrun agent with PID ``pid`` builds it (``--rdzv-backend=c10d``,
-    ``is_host=false``): its own client of the store, torch's backend, torch's state holder."""
-    client = store.client()
+    """torch's rendezvous handler as an orch agent with PID ``pid`` builds it (``--rdzv-backend=orch``,
+    orchestrator/rendezvous/agent.py): torch's own client of the store through a relay, orch's sealed backend,
+    torch's state holder and handler."""
+    client, relay = store_client(("127.0.0.1", store.port), SECRET)
+    relays.append(relay)
     timeout = RendezvousTimeout(join=timedelta(seconds=30), last_call=timedelta(seconds=last_call_s))
     settings = RendezvousSettings(run_id, min_nodes, max_nodes, timeout, keep_alive_interval=timedelta(seconds=5),
                                   keep_alive_max_attempt=3)
-    backend = KillableBackend(C10dRendezvousBackend(client, run_id))
-    return DynamicRendezvousHandler(_NodeDesc(ADDR, pid, 0), settings, "c10d", client,
+    backend = KillableBackend(SealedBackend(client, run_id, SECRET))
+    return DynamicRendezvousHandler(_NodeDesc(ADDR, pid, 0), settings, "orch", client,
                                     _BackendRendezvousStateHolder(backend, settings))
 
 
@@ -76,13 +80,14 @@ class Harness:
     """orch's store, and torch handlers acting as agents against it, joining in background threads."""
 
     def __init__(self):
-        self.store = RendezvousStore()
+        self.store = RendezvousStore(secret=SECRET)
         self.pool = ThreadPoolExecutor(max_workers=4)
         self.handlers: list[DynamicRendezvousHandler] = []
+        self.relays: list = []
 
     def agents(self, run_id: str, pids: list[int], min_nodes: int, max_nodes: int,
                **kw) -> list[DynamicRendezvousHandler]:
-        made = [agent(self.store, run_id, pid, min_nodes, max_nodes, **kw) for pid in pids]
+        made = [agent(self.store, run_id, pid, min_nodes, max_nodes, self.relays, **kw) for pid in pids]
         self.handlers.extend(made)
         return made
 
@@ -95,6 +100,8 @@ class Harness:
             h._stop_heartbeats()
             h._state_holder._backend.kill()  # a handler still joining ends at its next backend call
         self.pool.shutdown(wait=True, cancel_futures=True)
+        for relay in self.relays:
+            relay.close()
         self.store.close()
 
 
@@ -178,13 +185,16 @@ def write_round(store: RendezvousStore, run_id: str, members: list[Member], wait
     state = RendezvousState(round=4, complete=True, closed=closed,
                             participants={m: rank for rank, m in enumerate(members)}, wait_list=set(waiting),
                             last_heartbeats={m: datetime.now(timezone.utc) for m in [*members, *waiting]})
-    # Through torch's backend, as the first agent writes the first state.
-    backend = C10dRendezvousBackend(store.client(), run_id)
-    assert backend.set_state(base64.b64decode(encode(state)))[2]
+    # Through orch's agents' backend, as the first agent writes the first state.
+    client, relay = store_client(("127.0.0.1", store.port), SECRET)
+    try:
+        assert SealedBackend(client, run_id, SECRET).set_state(base64.b64decode(encode(state)))[2]
+    finally:
+        relay.close()
 
 
 def test_evicting_a_waiting_agent_leaves_the_round_alone():
-    store = RendezvousStore()
+    store = RendezvousStore(secret=SECRET)
     try:
         a, b, c = Member("node0", 1001, 0), Member("node1", 1002, 0), Member("node2", 1003, 0)
         write_round(store, "job", [a, b], waiting=[c])
@@ -203,7 +213,7 @@ def test_evicting_a_waiting_agent_leaves_the_round_alone():
 
 def test_a_closed_rendezvous_is_never_reopened():
     """Closed: the job is over (an agent finished and closed it); the others are finishing, not re-forming."""
-    store = RendezvousStore()
+    store = RendezvousStore(secret=SECRET)
     try:
         a, b = Member("node0", 1001, 0), Member("node1", 1002, 0)
         write_round(store, "job", [a, b], waiting=[], closed=True)
@@ -221,7 +231,7 @@ def test_one_pid_on_two_hosts_is_left_to_torchs_sweep():
 
 
 def test_an_update_that_loses_to_an_agent_is_applied_again_to_the_agents_state():
-    store = RendezvousStore()
+    store = RendezvousStore(secret=SECRET)
     try:
         a, b = Member("node0", 1001, 0), Member("node1", 1002, 0)
         write_round(store, "job", [a], waiting=[])
@@ -232,11 +242,11 @@ def test_an_update_that_loses_to_an_agent_is_applied_again_to_the_agents_state()
             if len(calls) == 1:  # an agent writes in between this read and the compare-and-set
                 other = store.state("job")
                 other.wait_list.add(b)
-                client.set(state_key("job"), encode(other))
+                client.set(state_key("job"), encode(other, state_key("job"), SECRET))
             state.closed = True
             return "done"
 
-        assert update_state(client, "job", change) == "done"
+        assert update_state(client, "job", change, secret=SECRET) == "done"
         assert calls == [set(), {b}]
         state = store.state("job")
         assert state.closed and state.wait_list == {b}, "the agent's write was kept, and ours applied on top"

@@ -29,7 +29,7 @@ from orchestrator.controller.states import (RECOVERING, RUNNING, SCHEDULING, Sta
 from orchestrator.plan.plan import LaunchPlan
 from orchestrator.processes import kill_tree
 from orchestrator.ft import REPLICA_ENV
-from orchestrator.rendezvous.tunnel import MODULE as TUNNEL_MODULE
+from orchestrator.rendezvous.agent import MODULE as AGENT_MODULE
 from orchestrator.rundir import LOGS_DIR, NODES_FILE, EventLog, EventName, write_json_atomic
 
 from orchestrator.controller.agent_env import forwarded_env  # the driver's variables node agents get
@@ -315,8 +315,8 @@ class Controller:
             rdzv_id = f"{rdzv_id}-node{index}-a{self._next_id}"
             env[REPLICA_ENV] = f"node{index}-a{self._next_id}"
         argv = tuple(f"--rdzv-id={rdzv_id}" if a.startswith("--rdzv-id=") else a for a in plan.argv)
-        if self.gated:  # python -m torch.distributed.run ... -> python -m orchestrator.rendezvous.tunnel ...
-            argv = (argv[0], "-m", TUNNEL_MODULE, *argv[3:])
+        if self.gated:  # python -m torch.distributed.run ... -> python -m orchestrator.rendezvous.agent ...
+            argv = (argv[0], "-m", AGENT_MODULE, *argv[3:])
         log_path = self.run_dir / LOGS_DIR / f"node{index}.log"
         agent = Agent(self._next_id, index, node_id, self.clock.time(), self.clock.monotonic(),
                       log_offset=log_path.stat().st_size if log_path.exists() else 0, standby=standby_for is not None)

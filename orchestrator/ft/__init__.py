@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from orchestrator.rendezvous.gate import RUN_SECRET_ENV
+from orchestrator.trust.secret import RUN_SECRET_ENV
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own: where a Manager finds the Lighthouse
 SECRET_ENV = RUN_SECRET_ENV  # a peer serves its state only to a caller that presents the run's secret

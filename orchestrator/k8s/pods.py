@@ -16,7 +16,7 @@ from orchestrator.errors import ConfigError, Preempted, UserError
 from orchestrator.k8s.names import object_name
 from orchestrator.k8s.security import (HOME, WORKDIR, container_security_context, pod_security_context,
                                        scratch_mounts, scratch_volumes)
-from orchestrator.rendezvous.gate import RUN_SECRET_ENV
+from orchestrator.trust.secret import RUN_SECRET_ENV
 
 DEFAULT_STORE_PORT = 29400  # torchrun's customary c10d port
 POD_LOCAL_SCHEMES = ("file", "local", "memory")

@@ -17,7 +17,7 @@ from orchestrator.config.schema import OrchConfig
 from orchestrator.k8s.pods import (base_pod_spec, metadata, run_secret_env, selector, store_port, store_service,
                                    template_metadata)
 from orchestrator.k8s.security import container_security_context, scratch_mounts, store_network_policy
-from orchestrator.rendezvous.gate import RUN_SECRET_ENV
+from orchestrator.trust.secret import RUN_SECRET_ENV
 
 COMPONENT = "rendezvous-store"
 
@@ -28,18 +28,17 @@ def serve_store(port: int, say: Callable[[str], None] = print, host: str = "0.0.
     a pod's network namespace has only loopback and the pod's own interface, which the Service routes to
     (``--host ::`` for an IPv6 cluster); outside a pod, name the one address agents dial.
 
-    With ``ORCH_RUN_SECRET`` in the environment (``k8s.run_secret``) the store is gated as a launcher's is: the
-    TCPStore on loopback, a :class:`~orchestrator.rendezvous.gate.StoreGate` on ``host``:``port``, and agents
-    dial through orch's tunnel. Refused clients are not recorded: this process has no run dir, and a log line
-    per port scan would bury the one that matters."""
-    from orchestrator.rendezvous import RendezvousStore
-
+    With ``ORCH_RUN_SECRET`` in the environment (``k8s.run_secret``) the store is orch's own behind the run's
+    gate, as a launcher's is: only clients that prove the secret get in, and agents dial through their relays.
+    Without it (a job rendered with ``k8s.run_secret=''``) it is torch's plain TCPStore, as the opt-out says.
+    Refused clients are not recorded: this process has no run dir, and a log line per port scan would bury the
+    one that matters."""
     secret = os.environ.get(RUN_SECRET_ENV, "")
-    store = RendezvousStore("127.0.0.1" if host in ("0.0.0.0", "::") else host, port, listen=host,
-                            secret=secret or None)
+    store = _gated_store(host, port, secret) if secret else _PlainStore(host, port)
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
-    gated = f", gated: clients must prove the run's secret ({RUN_SECRET_ENV})" if secret else ""
+    gated = (f", gated: clients must prove the run's secret ({RUN_SECRET_ENV})" if secret
+             else f", open to anyone who reaches this port: set {RUN_SECRET_ENV} to admit only the run")
     say(f"rendezvous store listening on {host} port {store.port}{gated}")
     try:
         while not stop.wait(1.0):
@@ -50,6 +49,31 @@ def serve_store(port: int, say: Callable[[str], None] = print, host: str = "0.0.
         store.close()
     say("rendezvous store stopped")
     return 0
+
+
+def _gated_store(host: str, port: int, secret: str):
+    from orchestrator.rendezvous import RendezvousStore
+
+    return RendezvousStore("127.0.0.1" if host in ("0.0.0.0", "::") else host, port, listen=host, secret=secret)
+
+
+class _PlainStore:
+    """torch's TCPStore on ``host``:``port`` (bound there, not on every interface unless asked)."""
+
+    def __init__(self, host: str, port: int):
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        from orchestrator.trust.acceptor import listening_socket
+
+        sock = listening_socket(host, port)
+        self.port = sock.getsockname()[1]
+        self._store = TCPStore(host, self.port, is_master=True, multi_tenant=True, wait_for_workers=False,
+                               timeout=timedelta(seconds=300), master_listen_fd=sock.detach(), use_libuv=True)
+
+    def close(self) -> None:
+        self._store = None
 
 
 def store_pod_template(cfg: OrchConfig, restart_policy: str | None = None) -> dict[str, Any]:

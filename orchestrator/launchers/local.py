@@ -22,7 +22,8 @@ from orchestrator.controller.pools.local import LocalNodePool
 from orchestrator.plan.plan import PLAN_FILE, build_plan
 from orchestrator.ft.lighthouse import Lighthouse
 from orchestrator.rendezvous import RendezvousStore
-from orchestrator.rendezvous.gate import RUN_SECRET_ENV, new_run_secret, refusal_recorder
+from orchestrator.trust.recorder import refusal_recorder, value_refusal_recorder
+from orchestrator.trust.secret import RUN_SECRET_ENV, new_run_secret
 from orchestrator.rundir import EventLog, EventName
 from orchestrator.testcluster.state import state_for_launch
 
@@ -49,10 +50,11 @@ class LocalLauncher:
         events = EventLog(self.run_dir)
         secret = new_run_secret()  # for this launch's processes only: never the plan, events or logs
         store = None if r.external else RendezvousStore(tc.bridge_address if tc else r.host, r.port, secret=secret,
-                                                        on_refused=refusal_recorder(events))
+                                                        on_refused=refusal_recorder(events),
+                                                        on_value_refused=value_refusal_recorder(events))
         port = store.port if store else r.port
         # An external store is gated when the driver was given the run's secret (k8s.run_secret in a pod): the
-        # store pod holds the same one, so agents dial it through the tunnel as they would a hosted gated store.
+        # store pod holds the same one, so agents dial it through their relays as they would a hosted store.
         gated = store is not None or bool(r.external and os.environ.get(RUN_SECRET_ENV))
         lighthouse = Lighthouse.for_run(self.cfg, tc.bridge_address if tc else r.host)
         plan = build_plan(self.cfg, str(self.run_dir), self.run_id, store_port=port, testcluster=tc,
@@ -68,7 +70,7 @@ class LocalLauncher:
 
             pool = TestClusterPool(tc, self.cfg.cluster.max_nodes, self.echo)
             hooks = TestClusterHooks(ClusterWatch(tc, str(self.run_dir), self.run_id, events, r, since=started["t"],
-                                                  store_address=store.local_address))
+                                                  store=store))
         else:
             # Room for every node and, on a notice, its standby: simulated nodes share this machine.
             pool = LocalNodePool(slots=2 * len(self.node_ids), echo=self.echo)

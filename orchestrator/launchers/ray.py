@@ -20,7 +20,8 @@ from typing import Optional, TextIO
 from orchestrator.config.schema import OrchConfig
 from orchestrator.errors import EnvironmentMismatch
 from orchestrator.ft.lighthouse import Lighthouse
-from orchestrator.rendezvous.gate import RUN_SECRET_ENV, new_run_secret, refusal_recorder
+from orchestrator.trust.recorder import refusal_recorder, value_refusal_recorder
+from orchestrator.trust.secret import RUN_SECRET_ENV, new_run_secret
 from orchestrator.plan.plan import PLAN_FILE, build_plan
 from orchestrator.rendezvous import RendezvousStore
 from orchestrator.controller.api import RunHooks
@@ -205,7 +206,8 @@ class RayLauncher:
         spread = c.placement == "spread" or (c.placement == "auto" and not self.embedded) or tc is not None
         events = EventLog(self.run_dir)
         secret = new_run_secret()  # for this launch's processes only: never the plan, events or logs
-        store = RendezvousStore(host, cfg.rendezvous.port, secret=secret, on_refused=refusal_recorder(events))
+        store = RendezvousStore(host, cfg.rendezvous.port, secret=secret, on_refused=refusal_recorder(events),
+                                on_value_refused=value_refusal_recorder(events))
         lighthouse = Lighthouse.for_run(cfg, host)  # per_step: beside the store, on the driver's node
         echo = LogEcho(self.run_dir / "logs", self.echo)
         pool = RayNodePool(c.cpus_per_node, c.gpus_per_agent, spread, c.max_nodes)
@@ -222,7 +224,7 @@ class RayLauncher:
             if self.embedded and DASHBOARD_URL and self.echo is not None:
                 print(f"[orch] Ray dashboard: {DASHBOARD_URL}", file=self.echo, flush=True)
             if tc:
-                hooks = self._testcluster_hooks(tc, events, started["t"], store.local_address)
+                hooks = self._testcluster_hooks(tc, events, started["t"], store)
             controller = Controller(cfg, plan, pool, events, evict=store.evict, notify=notice_sender(str(self.run_dir)),
                                     hooks=hooks, agent_env={RUN_SECRET_ENV: secret}, gated=True)
             echo.start()
@@ -241,7 +243,7 @@ class RayLauncher:
             else:
                 ray.shutdown()
 
-    def _testcluster_hooks(self, tc, events: EventLog, since: float, store_address: tuple[str, int]) -> RunHooks:
+    def _testcluster_hooks(self, tc, events: EventLog, since: float, store) -> RunHooks:
         """A Ray node on every test host, and the controller's duties there on every tick (see TestClusterHooks)."""
         from orchestrator.testcluster.pool import TestClusterHooks
         from orchestrator.testcluster.ray_hosts import RayHosts
@@ -254,5 +256,5 @@ class RayLauncher:
             hosts.close()
             raise
         watch = ClusterWatch(tc, str(self.run_dir), self.run_id, events, self.cfg.rendezvous, since=since,
-                             store_address=store_address)
+                             store=store)
         return TestClusterHooks(watch, hosts)

@@ -4,26 +4,27 @@ which member went silent (a test cluster's partition watch acts on that)."""
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from orchestrator.rendezvous.state import Member, RendezvousState, RendezvousStateError, connect, read_state
+from orchestrator.rendezvous.state import Member, RendezvousState, RendezvousStateError, read_state
 
 
 class RoundWatch:
-    """Reads rendezvous ``run_id``'s state from the store at ``host:port``; ``silence_s``: how old a member's
-    newest keep-alive may be before :meth:`silent` names it."""
+    """Reads rendezvous ``run_id``'s state through ``client()`` (a store client: the hosting store's own,
+    :meth:`~orchestrator.rendezvous.RendezvousStore.client`); ``secret``: the run's, which seals the state;
+    ``silence_s``: how old a member's newest keep-alive may be before :meth:`silent` names it."""
 
-    def __init__(self, host: str, port: int, run_id: str, silence_s: float):
-        self.host, self.port, self.run_id, self.silence_s = host, port, run_id, silence_s
+    def __init__(self, client: Callable[[], Any], run_id: str, silence_s: float, secret: Optional[str] = None):
+        self.client, self.run_id, self.silence_s, self.secret = client, run_id, silence_s, secret
         self._store: Any = None
         self.round: Optional[int] = None
         self.last_seen: dict[Member, Optional[datetime]] = {}  # member of the round -> newest keep-alive
 
     def _read(self) -> Optional[RendezvousState]:
         if self._store is None:
-            self._store = connect(self.host, self.port, timeout_s=5)
+            self._store = self.client()
         try:
-            return read_state(self._store, self.run_id)
+            return read_state(self._store, self.run_id, self.secret)
         except RendezvousStateError:  # a format this orch does not know: nothing to watch (the contract test says why)
             return None
 

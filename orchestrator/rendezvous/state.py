@@ -8,6 +8,11 @@ release. So nothing else in orch touches it. Here it is decoded into :class:`Ren
 typed copy, and encoded back into torch's class; ``tests/test_rendezvous_contract.py`` checks every field and
 behaviour this module relies on against the installed torch, and names the field when a release changes it.
 
+With the run's secret, every state in the store is *sealed*: ``orch-sealed/1.<MAC>.<torch's base64 state>``,
+the MAC over the key and the state under the run's secret (:func:`seal`). orch's agents (their rendezvous
+backend, :mod:`~orchestrator.rendezvous.backend`) and orch's store (its write policy) check the seal before a
+single byte is unpickled, so a state that a holder of the secret did not write never reaches ``pickle``.
+
 Writes go through :func:`update_state`, the same compare-and-set torch's agents use: when an agent wrote in
 between, the change is applied again to the newer state, so an agent's own update is never lost.
 """
@@ -23,6 +28,7 @@ from datetime import datetime, timedelta
 from typing import Any, Callable, Optional, TypeVar
 
 from orchestrator.errors import OrchError
+from orchestrator.trust.secret import mac, verify
 
 KEY_PREFIX = "torch.rendezvous."
 """torch's ``C10dRendezvousBackend`` key: the state of run id X lives under ``torch.rendezvous.X``; each round's
@@ -51,12 +57,40 @@ PICKLED_CLASSES = frozenset({
 can write the key, and unpickling any other global (``os.system``, ``builtins.eval``, ...) would run their code
 in orch."""
 
+SEAL_PREFIX = b"orch-sealed/1."
+"""What a sealed state starts with (see :func:`seal`)."""
+
 T = TypeVar("T")
 
 
 class RendezvousStateError(OrchError):
     """The store holds a rendezvous state that orch cannot read: torch changed its private format, or someone
     wrote a pickle that names a class torch's state does not."""
+
+
+class ForgedStateError(RendezvousStateError):
+    """A state without a valid seal: not written by a holder of the run's secret (nothing of it is read)."""
+
+
+def seal(secret: str, key: str, payload: bytes) -> bytes:
+    """``payload`` (torch's base64 state) as stored under ``key`` (``torch.rendezvous.<id>``): the prefix, the
+    MAC of key and payload under ``secret``, and the payload."""
+    return SEAL_PREFIX + mac(secret, b"rendezvous", key.encode(), payload).hex().encode() + b"." + payload
+
+
+def unseal(secret: str, key: str, stored: bytes) -> bytes:
+    """The payload of a sealed ``stored`` value of ``key``; ForgedStateError when the seal is missing or wrong
+    (checked in constant time, before anything else reads the bytes)."""
+    if not stored.startswith(SEAL_PREFIX):
+        raise ForgedStateError(f"rendezvous state {key!r} is not sealed with the run's secret")
+    tag, dot, payload = stored[len(SEAL_PREFIX):].partition(b".")
+    try:
+        given = bytes.fromhex(tag.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        given = b""
+    if not dot or not verify(secret, given, b"rendezvous", key.encode(), payload):
+        raise ForgedStateError(f"rendezvous state {key!r} has a seal the run's secret did not make")
+    return payload
 
 
 class _StateUnpickler(pickle.Unpickler):
@@ -149,14 +183,16 @@ def _format_error(key: str, problem: str) -> RendezvousStateError:
         "pyproject.toml's torch range), or update orchestrator/rendezvous/state.py")
 
 
-def decode(raw: bytes, key: str = "<rendezvous>") -> Optional[RendezvousState]:
+def decode(raw: bytes, key: str = "<rendezvous>", secret: Optional[str] = None) -> Optional[RendezvousState]:
     """The state held in the store as ``raw`` (what a store ``get`` of ``key`` returns); None for torch's
     placeholder before the first state. Raises :class:`RendezvousStateError` for anything else it cannot read.
-    The one place that turns stored bytes into objects: unpickling happens here and nowhere else, and it
-    resolves only :data:`PICKLED_CLASSES` (any other class in the pickle: :class:`RendezvousStateError`, naming
-    it, before anything in the pickle runs)."""
+    The one place in orch's driver that turns stored bytes into objects: with ``secret`` the seal is checked
+    first (:class:`ForgedStateError`), and unpickling resolves only :data:`PICKLED_CLASSES` (any other class in
+    the pickle: :class:`RendezvousStateError`, naming it, before anything in the pickle runs)."""
     if raw == NULL_SENTINEL:
         return None
+    if secret:
+        raw = unseal(secret, key, raw)
     try:
         pickled = base64.b64decode(raw, validate=True)
     except (binascii.Error, ValueError) as e:
@@ -170,8 +206,9 @@ def decode(raw: bytes, key: str = "<rendezvous>") -> Optional[RendezvousState]:
     return _from_torch(obj, key)
 
 
-def encode(state: RendezvousState) -> bytes:
-    """``state`` as torch's agents read it: their own ``_RendezvousState`` class, pickled, base64-encoded."""
+def encode(state: RendezvousState, key: str = "<rendezvous>", secret: Optional[str] = None) -> bytes:
+    """``state`` as torch's agents read it: their own ``_RendezvousState`` class, pickled, base64-encoded, and
+    sealed for ``key`` when there is a ``secret``."""
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
     def node(m: Member) -> Any:
@@ -185,7 +222,8 @@ def encode(state: RendezvousState) -> bytes:
     obj.wait_list = {node(m) for m in state.wait_list}
     obj.redundancy_list = {node(m) for m in state.redundancy_list}
     obj.last_heartbeats = {node(m): t for m, t in state.last_heartbeats.items()}
-    return base64.b64encode(pickle.dumps(obj))
+    payload = base64.b64encode(pickle.dumps(obj))
+    return seal(secret, key, payload) if secret else payload
 
 
 def _from_torch(obj: Any, key: str) -> RendezvousState:
@@ -218,16 +256,17 @@ def connect(host: str, port: int, timeout_s: float = 10.0) -> Any:
     return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
-def read_state(client: Any, run_id: str) -> Optional[RendezvousState]:
-    """Rendezvous ``run_id``'s state in the store ``client`` talks to; None before any agent wrote one."""
+def read_state(client: Any, run_id: str, secret: Optional[str] = None) -> Optional[RendezvousState]:
+    """Rendezvous ``run_id``'s state in the store ``client`` talks to; None before any agent wrote one.
+    ``secret``: the run's, when the state is sealed."""
     key = state_key(run_id)
     if not client.check([key]):
         return None
-    return decode(client.get(key), key)
+    return decode(client.get(key), key, secret)
 
 
 def update_state(client: Any, run_id: str, change: Callable[[RendezvousState], Optional[T]],
-                 attempts: int = 10) -> Optional[T]:
+                 attempts: int = 10, secret: Optional[str] = None) -> Optional[T]:
     """Apply ``change`` to rendezvous ``run_id``'s state and write it back with compare-and-set, as torch's
     agents do. ``change`` edits the state it is given and returns what to report, or None to write nothing.
     When an agent wrote in between, ``change`` runs again on the newer state. Returns ``change``'s result once
@@ -237,13 +276,13 @@ def update_state(client: Any, run_id: str, change: Callable[[RendezvousState], O
         if not client.check([key]):
             return None
         raw = client.get(key)
-        state = decode(raw, key)
+        state = decode(raw, key, secret)
         if state is None:
             return None
         result = change(state)
         if result is None:
             return None
-        new = encode(state)
+        new = encode(state, key, secret)
         if client.compare_set(key, raw, new) == new:
             return result
     return None
@@ -290,11 +329,11 @@ def reopen(state: RendezvousState) -> None:
     state.complete, state.deadline, state.round = False, None, state.round + 1
 
 
-def evict(client: Any, run_id: str, agent_pid: int) -> Eviction:
+def evict(client: Any, run_id: str, agent_pid: int, secret: Optional[str] = None) -> Eviction:
     """:func:`evict_member` on rendezvous ``run_id``'s state in the store, by compare-and-set. A falsy
     :class:`Eviction` when the agent was not there (or the state cannot be read)."""
     try:
-        done = update_state(client, run_id, lambda state: evict_member(state, agent_pid))
+        done = update_state(client, run_id, lambda state: evict_member(state, agent_pid), secret=secret)
     except RendezvousStateError:
         return Eviction()  # a format this orch does not know: torch's own keep-alive sweep still drops the agent
     return done or Eviction()

@@ -102,10 +102,10 @@ class ClusterWatch:
     """The local launcher's companion on a test cluster (``cluster.testcluster``)."""
 
     def __init__(self, state: ClusterState, run_dir: str, run_id: str, events: EventLog, rendezvous,
-                 since: float, store_address: tuple[str, int]):
+                 since: float, store):
         self.state, self.events, self.since, self.run_dir = state, events, since, Path(run_dir)
         self.silence_s = rendezvous.keep_alive_interval_s * rendezvous.keep_alive_max_attempt + SILENCE_MARGIN_S
-        self.rounds = RoundWatch(*store_address, run_id, self.silence_s)  # the store itself, not its gate
+        self.rounds = RoundWatch(store.client, run_id, self.silence_s, store.secret)  # the hosted store, in process
         self.cpu = CpuHistory()
         self._acted_round: Optional[int] = None
         self._bound_round: Optional[int] = None

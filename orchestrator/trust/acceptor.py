@@ -47,6 +47,8 @@ class BoundedAcceptor:
         self._pending = threading.BoundedSemaphore(max_pending)
         self._active = threading.BoundedSemaphore(max_connections)
         self._closed = False
+        self._live: set[socket.socket] = set()
+        self._live_lock = threading.Lock()
         self.refused = 0
         self.accept_errors = 0
         self._reserve: Optional[int] = _reserve_fd()
@@ -130,6 +132,8 @@ class BoundedAcceptor:
             self._reserve = _reserve_fd()
 
     def _handle(self, conn: socket.socket, peer) -> None:
+        with self._live_lock:
+            self._live.add(conn)
         try:
             try:
                 admitted = self.admit(conn, peer)
@@ -149,18 +153,28 @@ class BoundedAcceptor:
         except Exception:
             log.exception("%s: connection from %s failed", self.name, peer_name(peer))
         finally:
+            with self._live_lock:
+                self._live.discard(conn)
             try:
                 conn.close()
             except OSError:
                 pass
 
     def close(self) -> None:
+        """Stop accepting and end every connection still open (their clients see the next call fail)."""
         self._closed = True
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self.sock.close()
+        with self._live_lock:
+            live, self._live = list(self._live), set()
+        for conn in live:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         if self._reserve is not None:
             os.close(self._reserve)
             self._reserve = None
