@@ -157,25 +157,28 @@ def test_wire_round_trips_a_training_state_without_pickle():
 
 
 @needs_torchft
-def test_peer_transport_serves_only_with_the_run_secret_and_only_on_its_address():
+def test_peer_transport_serves_only_a_holder_of_the_secret_only_on_its_address():
     from datetime import timedelta
 
-    from orchestrator.ft.transport import PeerStateTransport, fetch_refused
+    from orchestrator.ft.transport import PeerStateTransport
+    from orchestrator.trust.handshake import HandshakeError
 
-    served = PeerStateTransport(timedelta(seconds=2), address="127.0.0.1", secret="s3cret")
+    refused: list[str] = []
+    served = PeerStateTransport(timedelta(seconds=2), address="127.0.0.1", secret="s3cret",
+                                on_refused=lambda peer, why: refused.append(peer))
     peer = PeerStateTransport(timedelta(seconds=2), address="127.0.0.1", secret="s3cret")
     stranger = PeerStateTransport(timedelta(seconds=2), address="127.0.0.1", secret="guess")
     try:
-        assert served._server.server_address[0] == "127.0.0.1"
+        assert served._gate.address[0] == "127.0.0.1"
         url = served.metadata()
         served.send_checkpoint([1], 7, {"w": torch.arange(4.0)}, timedelta(seconds=2))
-        assert fetch_refused(f"{url}7") == 403
-        assert fetch_refused(f"{url}7", "guess") == 403
         assert torch.equal(peer.recv_checkpoint(0, url, 7, timedelta(seconds=2))["w"], torch.arange(4.0))
-        with pytest.raises(Exception):
+        with pytest.raises(HandshakeError, match="could not prove"):  # neither side proves to the other
             stranger.recv_checkpoint(0, url, 7, timedelta(seconds=2))
+        assert refused, "the stranger was reported"
         served.disallow_checkpoint()
-        assert fetch_refused(f"{url}7", "s3cret") == 409  # nothing staged: nothing served
+        with pytest.raises(RuntimeError, match="not staged"):  # nothing staged: nothing served
+            peer.recv_checkpoint(0, url, 7, timedelta(seconds=2))
     finally:
         for t in (served, peer, stranger):
             t.shutdown()
@@ -217,17 +220,12 @@ def test_per_step_config_errors_name_key_value_and_fix(tmp_path):
 @needs_torchft
 def test_per_step_plan_gives_each_node_its_own_group_and_no_secret():
     from orchestrator.config.compose import compose_config
-    from orchestrator.ft.lighthouse import Lighthouse
     from orchestrator.plan.plan import build_plan
 
     cfg = compose_config("cpu_elastic", ["fault_tolerance.mode=per_step", "launcher=local"])
-    lighthouse = Lighthouse(cfg, "127.0.0.1")
-    try:
-        plan = build_plan(cfg, "/tmp/x", "run1", store_port=1234, lighthouse=lighthouse.address)
-    finally:
-        lighthouse.close()
-    for node in plan.nodes:
-        assert "--nnodes=1" in node.argv and node.env["TORCHFT_LIGHTHOUSE"] == lighthouse.address
+    plan = build_plan(cfg, "/tmp/x", "run1", store_port=1234)
+    for node in plan.nodes:  # the quorum service is behind the run's gate, where the store is
+        assert "--nnodes=1" in node.argv and node.env["ORCH_FT_QUORUM"] == plan.rendezvous_endpoint
     assert "ORCH_RUN_SECRET" not in plan.to_json()  # added by the controller when an agent starts
     assert "note:" not in plan.format_text()  # an elastic range: survivors go on alone
 

@@ -23,7 +23,7 @@ from orchestrator.elastic.heartbeat import Heartbeat
 from orchestrator.elastic.metrics import MetricsLog
 from orchestrator.elastic.preemption import PreemptedExit, PreemptionResponse
 from orchestrator.elastic.state import Progress, TrainingState, params_sha256
-from orchestrator.ft import LIGHTHOUSE_ENV
+from orchestrator.ft import QUORUM_ENV
 from orchestrator.rundir import EventLog, EventName
 from orchestrator.runtime.distributed import DistContext, select_device
 from orchestrator.runtime.sampler import GlobalBatchSampler
@@ -100,10 +100,10 @@ class Session:
         self._step_start = time.perf_counter()
         self._result: Optional[dict[str, Any]] = None
         self.owns_process_group = False  # set by init(): the session then destroys it on exit
-        # fault_tolerance.mode=per_step under orch's launcher (it hosts the Lighthouse): this node is a replica
+        # fault_tolerance.mode=per_step under orch's launcher (it hosts the quorum service): this node is a replica
         # group of its own, joined at register() (the process group must exist first).
         self.per_step = (cfg is not None and cfg.fault_tolerance.mode == "per_step"
-                         and bool(os.environ.get(LIGHTHOUSE_ENV)))
+                         and bool(os.environ.get(QUORUM_ENV)))
         self.replica: Optional["ReplicaGroup"] = None
 
     # -- who and where ----------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """A worker's replica group under ``fault_tolerance.mode=per_step``: its torchft Manager and the step protocol
 the session runs with it.
 
-At the top of every step the group joins the Lighthouse's quorum (synchronously: a group that must heal loads
+At the top of every step the group joins the quorum (orch's quorum service in the driver, through the run's
+gate: :mod:`~orchestrator.ft.coordination`) (synchronously: a group that must heal loads
 a live peer's state before its forward pass, so its first committed step starts from the survivors' weights).
 After the backward pass the gradients are averaged across the quorum's groups (one flat all-reduce: the DDP
 of the user's code, if any, already averaged them inside the group), before any grad-scaler unscale or
@@ -24,7 +25,8 @@ import torch
 
 from orchestrator.config.schema import OrchConfig
 from orchestrator.elastic.state import TrainingState, params_sha256, rng_state, set_rng_state
-from orchestrator.ft import ADDR_ENV, REPLICA_ENV
+from orchestrator.ft import REPLICA_ENV
+from orchestrator.ft.coordination import install, process_group
 from orchestrator.ft.transport import PeerStateTransport
 from orchestrator.rundir import EventName
 from orchestrator.runtime.distributed import DistContext
@@ -32,14 +34,6 @@ from orchestrator.runtime.distributed import DistContext
 Emit = Callable[..., Any]
 # Where a replica group's loop spends time besides committed steps (metrics records' ``ft``; goodput's badput).
 WINDOW_KEYS = ("quorum_wait_s", "healing_s", "discarded_s")
-
-
-def process_group(backend: str, timeout_s: float):
-    """torchft's reconfigurable process group for the cross-replica all-reduce (gloo or NCCL)."""
-    from torchft import ProcessGroupGloo, ProcessGroupNCCL
-
-    timeout = timedelta(seconds=timeout_s)
-    return ProcessGroupNCCL(timeout=timeout) if backend == "nccl" else ProcessGroupGloo(timeout=timeout)
 
 
 class ReplicaGroup:
@@ -57,15 +51,17 @@ class ReplicaGroup:
         self.replica_id = os.environ.get(REPLICA_ENV, f"node{ctx.node}")
         self.healed_from: Optional[dict[str, Any]] = None
         self._heal_started = 0.0
-        self.transport = PeerStateTransport(timeout=timedelta(seconds=max(30.0, ft.collective_timeout_s)))
+        self.transport = PeerStateTransport(timeout=timedelta(seconds=max(30.0, ft.collective_timeout_s)),
+                                            on_refused=self._refused)
+        self._last_refusal = -1e9
+        install()  # torchft's Manager on orch's quorum service, not on torchft's Rust servers
         self._make_manager = lambda: Manager(
-            pg=process_group(cfg.backend.name, ft.collective_timeout_s),
+            pg=process_group(cfg.backend.name, timedelta(seconds=ft.collective_timeout_s)),
             load_state_dict=self._load, state_dict=self._state_dict,
             min_replica_size=cfg.cluster.min_nodes, use_async_quorum=False,
             timeout=timedelta(seconds=max(30.0, ft.collective_timeout_s)),
             quorum_timeout=timedelta(seconds=ft.quorum_timeout_s), connect_timeout=timedelta(seconds=30),
-            replica_id=self.replica_id, hostname=os.environ.get(ADDR_ENV, "127.0.0.1"),
-            checkpoint_transport=self.transport, init_sync=True)
+            replica_id=self.replica_id, lighthouse_addr="orch", checkpoint_transport=self.transport, init_sync=True)
         self._manager: Optional[Any] = None
         self.participants = 0
         self.participating_rank: Optional[int] = None
@@ -79,9 +75,17 @@ class ReplicaGroup:
         self._loaded_at: Optional[float] = None  # when this group took over a peer's state in this quorum
         self.window = dict.fromkeys(WINDOW_KEYS, 0.0)
 
+    def _refused(self, peer: str, reason: str) -> None:
+        """A caller of this worker's state server without the run's secret: one event a second at most."""
+        now = time.monotonic()
+        if now - self._last_refusal >= 1.0:
+            self._last_refusal = now
+            self.emit_group(EventName.STORE_CLIENT_REFUSED, node=self.ctx.node, peer=peer, reason=reason,
+                            port="peer state server")
+
     @property
     def manager(self) -> Any:
-        """The torchft Manager, made at the first quorum: its server heartbeats to the Lighthouse from then on,
+        """The torchft Manager, made at the first quorum: its group heartbeats to the quorum from then on,
         and a group that heartbeats without asking for a quorum holds up its peers' quorum (a majority of the
         heartbeating groups must join), so it starts only when this group is ready to train."""
         if self._manager is None:

@@ -20,7 +20,7 @@ from orchestrator.controller.api import RunHooks
 from orchestrator.controller.controller import Controller, notice_sender, run_with_signals
 from orchestrator.controller.pools.local import LocalNodePool
 from orchestrator.plan.plan import PLAN_FILE, build_plan
-from orchestrator.ft.lighthouse import Lighthouse
+from orchestrator.ft.quorum import ROUTE as QUORUM_ROUTE, QuorumService
 from orchestrator.rendezvous import RendezvousStore
 from orchestrator.trust.recorder import refusal_recorder, value_refusal_recorder
 from orchestrator.trust.secret import RUN_SECRET_ENV, new_run_secret
@@ -56,9 +56,10 @@ class LocalLauncher:
         # An external store is gated when the driver was given the run's secret (k8s.run_secret in a pod): the
         # store pod holds the same one, so agents dial it through their relays as they would a hosted store.
         gated = store is not None or bool(r.external and os.environ.get(RUN_SECRET_ENV))
-        lighthouse = Lighthouse.for_run(self.cfg, tc.bridge_address if tc else r.host)
-        plan = build_plan(self.cfg, str(self.run_dir), self.run_id, store_port=port, testcluster=tc,
-                          lighthouse=lighthouse.address if lighthouse else None)
+        quorum = QuorumService.for_run(self.cfg)  # per_step: behind the store's gate
+        if quorum is not None and store is not None:
+            store.add_route(QUORUM_ROUTE, quorum.handler)
+        plan = build_plan(self.cfg, str(self.run_dir), self.run_id, store_port=port, testcluster=tc)
         (self.run_dir / PLAN_FILE).write_text(plan.to_json() + "\n")
         started = events.emit(EventName.LAUNCH_STARTED, preset=plan.preset, run_id=self.run_id, launcher="local",
                               nodes=len(self.node_ids), rendezvous_endpoint=plan.rendezvous_endpoint,
@@ -82,7 +83,7 @@ class LocalLauncher:
         finally:
             pool.close()
             hooks.close()
-            if lighthouse is not None:
-                lighthouse.close()
+            if quorum is not None:
+                quorum.close()
             if store is not None:
                 store.close()

@@ -19,7 +19,7 @@ from typing import Optional, TextIO
 
 from orchestrator.config.schema import OrchConfig
 from orchestrator.errors import EnvironmentMismatch
-from orchestrator.ft.lighthouse import Lighthouse
+from orchestrator.ft.quorum import ROUTE as QUORUM_ROUTE, QuorumService
 from orchestrator.trust.recorder import refusal_recorder, value_refusal_recorder
 from orchestrator.trust.secret import RUN_SECRET_ENV, new_run_secret
 from orchestrator.plan.plan import PLAN_FILE, build_plan
@@ -208,13 +208,14 @@ class RayLauncher:
         secret = new_run_secret()  # for this launch's processes only: never the plan, events or logs
         store = RendezvousStore(host, cfg.rendezvous.port, secret=secret, on_refused=refusal_recorder(events),
                                 on_value_refused=value_refusal_recorder(events))
-        lighthouse = Lighthouse.for_run(cfg, host)  # per_step: beside the store, on the driver's node
+        quorum = QuorumService.for_run(cfg)  # per_step: behind the store's gate, on the driver's node
+        if quorum is not None:
+            store.add_route(QUORUM_ROUTE, quorum.handler)
         echo = LogEcho(self.run_dir / "logs", self.echo)
         pool = RayNodePool(c.cpus_per_node, c.gpus_per_agent, spread, c.max_nodes)
         hooks: RunHooks = RunHooks()
         try:
-            plan = build_plan(cfg, str(self.run_dir), self.run_id, store_port=store.port, testcluster=tc,
-                              lighthouse=lighthouse.address if lighthouse else None)
+            plan = build_plan(cfg, str(self.run_dir), self.run_id, store_port=store.port, testcluster=tc)
             (self.run_dir / PLAN_FILE).write_text(plan.to_json() + "\n")
             started = events.emit(EventName.LAUNCH_STARTED, preset=plan.preset, run_id=self.run_id, launcher="ray",
                                   nodes=c.max_nodes, rendezvous_endpoint=plan.rendezvous_endpoint, ray=self.ray_address,
@@ -235,8 +236,8 @@ class RayLauncher:
                 pool.close()
             hooks.close()
             echo.stop()
-            if lighthouse is not None:
-                lighthouse.close()
+            if quorum is not None:
+                quorum.close()
             store.close()
             if gone:
                 _abandon_ray()

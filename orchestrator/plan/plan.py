@@ -14,14 +14,13 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 from orchestrator.config.schema import OrchConfig
-from orchestrator.ft import ADDR_ENV, LIGHTHOUSE_ENV
+from orchestrator.ft import ADDR_ENV, QUORUM_ENV
 from orchestrator.preemption.notices import SIGTERM_NOTICE_ENV, SIGTERM_NOTICE_FILE
 from orchestrator.rendezvous.args import rendezvous_argv, rendezvous_conf, rendezvous_env
 from orchestrator.rundir import CONFIG_FILE, PLAN_FILE  # noqa: F401 (re-exported)
 from orchestrator.testcluster.state import ClusterState, NodeHost, enter_argv
 
 PORT_PLACEHOLDER = "<port chosen at launch>"
-LIGHTHOUSE_PLACEHOLDER = "<lighthouse chosen at launch>"
 FROM_ENVIRON: Any = object()  # build_plan's default devices: those this process's CUDA_VISIBLE_DEVICES lists
 
 
@@ -182,14 +181,12 @@ def node_env(cfg: OrchConfig, node: int, run_dir: str, run_id: str,
     return env
 
 
-def per_step_env(cfg: OrchConfig, lighthouse: Optional[str], address: str) -> dict[str, str]:
-    """fault_tolerance.mode=per_step: where the Lighthouse is, and the address this node's torchft Manager
-    and state server advertise (the run's secret is added when an agent starts, never in the plan)."""
+def per_step_env(cfg: OrchConfig, gate: str, address: str) -> dict[str, str]:
+    """fault_tolerance.mode=per_step: where the quorum service is (the run's gate, ``gate``), and the address
+    this node's peer state server binds (the run's secret is added when an agent starts, never in the plan)."""
     if cfg.fault_tolerance.mode != "per_step":
         return {}
-    # torchft's Rust side logs every quorum and commit at INFO: warnings and errors only, unless asked.
-    return {LIGHTHOUSE_ENV: lighthouse or LIGHTHOUSE_PLACEHOLDER, ADDR_ENV: address,
-            "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+    return {QUORUM_ENV: gate, ADDR_ENV: address}
 
 
 def testcluster_env(host: NodeHost) -> dict[str, str]:
@@ -199,14 +196,13 @@ def testcluster_env(host: NodeHost) -> dict[str, str]:
 
 def build_plan(cfg: OrchConfig, run_dir: str, run_id: str, store_port: Optional[int] = None,
                python: str = sys.executable, testcluster: Optional[ClusterState] = None,
-               devices: Optional[Sequence[str]] = FROM_ENVIRON, lighthouse: Optional[str] = None) -> LaunchPlan:
+               devices: Optional[Sequence[str]] = FROM_ENVIRON) -> LaunchPlan:
     """The plan for ``cfg``. ``store_port`` is known once the launcher hosts the store; a dry run has none.
     ``testcluster`` (the saved state of ``cluster.testcluster``, read by the caller) puts node i on its host i,
     with the store on the cluster's bridge address. ``devices``: the GPUs simulated CUDA nodes split (see
     :func:`node_gpus`); by default this process's ``CUDA_VISIBLE_DEVICES`` (unset: every device by index).
     The plan's env is orch's own per node; the driver's forwarded variables are added when an agent starts
-    (orchestrator/controller/agent_env.py), so no secret reaches ``plan.json``. ``lighthouse``: the torchft
-    Lighthouse's address (``fault_tolerance.mode=per_step``), known once the launcher hosts it."""
+    (orchestrator/controller/agent_env.py), so no secret reaches ``plan.json``."""
     if devices is FROM_ENVIRON:
         devices = visible_devices(os.environ)
     port = store_port or cfg.rendezvous.port or PORT_PLACEHOLDER
@@ -216,7 +212,7 @@ def build_plan(cfg: OrchConfig, run_dir: str, run_id: str, store_port: Optional[
                                                       local_addr=host.hostname if host else None),
                            env={**node_env(cfg, i, run_dir, run_id, devices),
                                 **(testcluster_env(host) if host else {}),
-                                **per_step_env(cfg, lighthouse, host.address if host else cfg.rendezvous.host)},
+                                **per_step_env(cfg, endpoint, host.address if host else cfg.rendezvous.host)},
                            netns=host.netns if host else None, hostname=host.hostname if host else None,
                            address=host.address if host else None)
                   for i, host in zip(range(cfg.cluster.max_nodes), hosts))

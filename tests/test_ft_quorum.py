@@ -1,0 +1,193 @@
+"""orch's per_step quorum service (orchestrator/ft/quorum.py): torchft's quorum rules and per-rank results, a
+group dropped or leaving taken out at once, commits decided per group; and its client as torchft's Manager
+uses it (orchestrator/ft/coordination.py), through a real gate. Fast: threads in this process."""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+
+from orchestrator.ft.quorum import ADDRESS_PREFIX, ROUTE, QuorumService
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def service(min_replicas=1, join_ms=1000, clock=None) -> QuorumService:
+    return QuorumService(min_replicas, join_ms, quorum_tick_ms=10, heartbeat_timeout_ms=1000, clock=clock or Clock())
+
+
+def ask(svc: QuorumService, rid: str, rank: int, step: int, timeout_s: float = 5.0, handle: str = "h"):
+    return svc.call({"op": "quorum", "replica_id": rid, "group_rank": rank, "step": step, "timeout_s": timeout_s,
+                     "checkpoint_metadata": f"orch-state://{rid}:{rank}", "shrink_only": False, "init_sync": True,
+                     "commit_failures": 0, "reconfigure_handle": f"{handle}-{rid}-{rank}"})
+
+
+def all_ask(svc: QuorumService, groups: dict[str, int], world: int = 1) -> dict[tuple[str, int], dict]:
+    """Every rank of every group (name -> step) asks at once; their answers."""
+    with ThreadPoolExecutor(len(groups) * world) as pool:
+        futures = {(rid, r): pool.submit(ask, svc, rid, r, step) for rid, step in groups.items() for r in range(world)}
+        return {key: f.result() for key, f in futures.items()}
+
+
+def wait_pending(svc: QuorumService, rid: str, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with svc._lock:
+            if rid in svc._participants:
+                return True
+        time.sleep(0.01)
+    return False
+
+
+def register(svc: QuorumService, *rids: str, world: int = 1) -> None:
+    for rid in rids:
+        assert svc.call({"op": "register", "replica_id": rid, "world_size": world}) == {}
+
+
+def test_a_quorum_of_every_group_ranks_them_by_replica_id_and_keeps_its_id_while_they_stay():
+    svc = service()
+    try:
+        register(svc, "node1-a1:x", "node0-a0:y", world=2)
+        first = all_ask(svc, {"node1-a1:x": 0, "node0-a0:y": 0}, world=2)
+        assert {r["replica_world_size"] for r in first.values()} == {2}
+        assert first[("node0-a0:y", 0)]["replica_rank"] == 0 and first[("node1-a1:x", 1)]["replica_rank"] == 1
+        assert first[("node0-a0:y", 1)]["reconfigure_handles"] == ["h-node0-a0:y-1", "h-node1-a1:x-1"]
+        assert first[("node0-a0:y", 0)]["replica_ids"] == ["node0-a0:y", "node1-a1:x"]
+        # Step 0 with init_sync: all but the primary copy the primary's weights.
+        assert not first[("node0-a0:y", 0)]["heal"] and first[("node1-a1:x", 0)]["heal"]
+        assert first[("node1-a1:x", 0)]["recover_src_manager_address"] == ADDRESS_PREFIX + "node0-a0:y"
+        again = all_ask(svc, {"node1-a1:x": 1, "node0-a0:y": 1}, world=2)
+        assert {r["quorum_id"] for r in again.values()} == {first[("node0-a0:y", 0)]["quorum_id"]}
+        assert not any(r["heal"] for r in again.values())
+    finally:
+        svc.close()
+
+
+def test_a_dropped_group_is_out_of_the_next_quorum_at_once_and_a_behind_group_heals_from_a_live_one():
+    clock = Clock()
+    svc = service(join_ms=60_000, clock=clock)  # stragglers would hold a quorum for a minute
+    try:
+        register(svc, "node0-a0:u", "node1-a1:v", "node2-a2:w")
+        q1 = all_ask(svc, {"node0-a0:u": 5, "node1-a1:v": 5, "node2-a2:w": 5})
+        assert svc.drop("node2-a2") == ["node2-a2:w"]  # its agent died: no heartbeat timeout to wait out
+        q2 = all_ask(svc, {"node0-a0:u": 6, "node1-a1:v": 6})
+        assert {r["replica_world_size"] for r in q2.values()} == {2}
+        assert q2[("node0-a0:u", 0)]["quorum_id"] == q1[("node0-a0:u", 0)]["quorum_id"] + 1
+        # A replacement at step 0 joins; the quorum waits for no one else, and the newcomer heals.
+        register(svc, "node2-a3:z")
+        with ThreadPoolExecutor(1) as pool:  # the newcomer asks first: a fast quorum of the others would not wait
+            joining = pool.submit(ask, svc, "node2-a3:z", 0, 0)
+            assert wait_pending(svc, "node2-a3:z")
+            q3 = all_ask(svc, {"node0-a0:u": 7, "node1-a1:v": 7})
+            q3[("node2-a3:z", 0)] = new = joining.result()
+        assert new["heal"] and new["max_step"] == 7
+        assert new["recover_src_manager_address"] in {ADDRESS_PREFIX + "node0-a0:u", ADDRESS_PREFIX + "node1-a1:v"}
+        src = new["recover_src_replica_rank"]
+        assert new["replica_ids"][src] != "node2-a3:z"
+        assert q3[(new["replica_ids"][src], 0)]["recover_dst_replica_ranks"] == [new["replica_rank"]]
+        assert "left" in svc.call({"op": "register", "replica_id": "node2-a2:w", "world_size": 1})["error"]
+    finally:
+        svc.close()
+
+
+def test_a_healthy_straggler_holds_a_new_quorum_until_the_join_timeout():
+    clock = Clock()
+    svc = service(join_ms=5000, clock=clock)
+    try:
+        register(svc, "a:1", "b:2", "c:3")  # c heartbeats but never asks
+        with ThreadPoolExecutor(2) as pool:
+            waiting = [pool.submit(ask, svc, rid, 0, 0, 20) for rid in ("a:1", "b:2")]
+            time.sleep(0.5)
+            assert not any(f.done() for f in waiting), "a majority, but a healthy straggler: the quorum waits"
+            clock.t += 6  # past the join timeout; everyone still heartbeating
+            for rid in ("a:1", "b:2", "c:3"):
+                svc.call({"op": "heartbeat", "replica_id": rid})
+            answers = [f.result(timeout=10) for f in waiting]
+        assert {tuple(a["replica_ids"]) for a in answers} == {("a:1", "b:2")}
+    finally:
+        svc.close()
+
+
+def test_a_group_commits_only_when_every_rank_says_so_and_a_left_group_is_refused():
+    svc = service()
+    try:
+        register(svc, "g:1", world=2)
+        vote = lambda rank, ok, step=3: svc.call({"op": "should_commit", "replica_id": "g:1", "group_rank": rank,  # noqa: E731
+                                                   "step": step, "should_commit": ok, "timeout_s": 5})
+        with ThreadPoolExecutor(2) as pool:
+            a, b = pool.submit(vote, 0, True), pool.submit(vote, 1, False)
+            assert a.result() == b.result() == {"should_commit": False}
+            a, b = pool.submit(vote, 0, True, 4), pool.submit(vote, 1, True, 4)
+            assert a.result() == b.result() == {"should_commit": True}
+        assert svc.call({"op": "checkpoint_metadata", "replica_id": "g:1", "rank": 0})["error"]
+        svc.leave("g:1")
+        assert "left" in vote(0, True, 5)["error"] or "registered" in vote(0, True, 5)["error"]
+        assert "left" in svc.call({"op": "register", "replica_id": "g:1", "world_size": 2})["error"]
+    finally:
+        svc.close()
+
+
+def test_torchfts_manager_through_orchs_client_and_a_real_gate():
+    """torchft's own Manager code path, its server and client replaced by orch's: registration, a quorum, the
+    checkpoint address of a heal source, and a commit, over the run's gate; a wrong secret gets nothing."""
+    from orchestrator.ft.coordination import ManagerClient, ManagerServer, QuorumClient, QuorumError
+    from orchestrator.trust.acceptor import listening_socket
+    from orchestrator.trust.gate import Gate
+    from orchestrator.trust.handshake import HandshakeError
+
+    svc = service()
+    gate = Gate(listening_socket("127.0.0.1"), "s3cret", lambda r: svc.handler if r == ROUTE else None)
+    env = {"ORCH_FT_QUORUM": f"127.0.0.1:{gate.port}", "ORCH_RUN_SECRET": "s3cret"}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        server = ManagerServer("node0-a0:abc", "orch", "ignored", "ignored", "ignored", world_size=1,
+                               heartbeat_interval=timedelta(milliseconds=50), connect_timeout=timedelta(seconds=5))
+        try:
+            client = ManagerClient(server.address(), timedelta(seconds=5))
+            result = client._quorum(0, 0, "orch-state://127.0.0.1:1", False, timedelta(seconds=5), 0, "h0")
+            assert result.replica_world_size == 1 and result.quorum_id >= 1 and result.reconfigure_handles == ["h0"]
+            assert client._checkpoint_metadata(0, timedelta(seconds=5)) == "orch-state://127.0.0.1:1"
+            assert client.should_commit(0, 0, True, timedelta(seconds=5)) is True
+            with pytest.raises(HandshakeError):
+                QuorumClient(secret="a guess").call("heartbeat", replica_id="x")
+        finally:
+            server.shutdown()
+        with pytest.raises(QuorumError, match="left|registered"):
+            client._quorum(0, 1, "m", False, timedelta(seconds=2), 0, "h0")
+    gate.close()
+    svc.close()
+
+
+def test_torchfts_manager_still_makes_its_server_and_clients_by_the_names_orch_replaces():
+    """The contract orchestrator/ft/coordination.py relies on (checked against the installed torchft)."""
+    torchft_manager = pytest.importorskip("torchft.manager")
+    from torchft._torchft import QuorumResult as TorchftQuorumResult
+
+    from orchestrator.ft.coordination import ManagerClient, ManagerServer, QuorumResult
+
+    source = inspect.getsource(torchft_manager.Manager)
+    assert "ManagerServer(" in source and "ManagerClient(" in source, "torchft's Manager no longer makes them by name"
+    wanted = {n for n in dir(TorchftQuorumResult) if not n.startswith("_")}
+    assert wanted <= set(QuorumResult.__dataclass_fields__), wanted - set(QuorumResult.__dataclass_fields__)
+    start = source.index("ManagerServer(")
+    called = source[start:source.index(")", start)]
+    for keyword in ("replica_id", "lighthouse_addr", "hostname", "bind", "store_addr", "world_size",
+                    "heartbeat_interval", "connect_timeout", "quorum_retries"):
+        assert f"{keyword}=" in called and keyword in inspect.signature(ManagerServer).parameters, keyword
+    for method in ("_quorum(", "._checkpoint_metadata(", ".should_commit("):
+        assert method in source, f"torchft's Manager no longer calls {method}"
+        assert hasattr(ManagerClient, method.strip(".("))
