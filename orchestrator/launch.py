@@ -7,13 +7,14 @@ exits 2 with no run dir left behind. Nothing is printed unless ``echo`` asks for
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 import shutil
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence, TextIO
+from typing import Any, Iterator, Optional, Sequence, TextIO
 
 from omegaconf import OmegaConf
 
@@ -25,8 +26,9 @@ from orchestrator.plan.resources import check_local_resources
 from orchestrator.preflight import check_entrypoint, check_resume_step, check_store_port, make_run_dir, run_leases
 from orchestrator.report.progress import RunProgress
 from orchestrator.report.summary import write_summary
-from orchestrator.rundir import EventLog
+from orchestrator.rundir import EventLog, EventName
 from orchestrator.testcluster.state import state_for_launch
+from orchestrator.trust.secret import RUN_SECRET_ENV
 
 
 def resolve_run_dir(cfg: Any) -> str:
@@ -78,20 +80,54 @@ def preflight_launch(cfg: OrchConfig, store: bool = True) -> None:
     check_resume_step(cfg, checkpoint_url(cfg))
 
 
-def _take_leases(cfg: OrchConfig, run_id: str):
+@contextlib.contextmanager
+def run_secret(cfg: OrchConfig) -> Iterator[Optional[str]]:
+    """The run's secret for its leases' proofs, while the launch runs: ``ORCH_RUN_SECRET`` when the
+    environment has one (a Kubernetes Secret's, a secret store's); else, when this launch hosts the store, a
+    fresh one put into the environment for the launch (the launcher hands that same one to every agent and
+    worker, see orchestrator/trust/secret.py) and taken out again at the end. None for a launch that dials an
+    external store without one: no other process of the run would share a secret made here."""
+    given = os.environ.get(RUN_SECRET_ENV)
+    if given or cfg.rendezvous.external:
+        yield given or None
+        return
+    os.environ[RUN_SECRET_ENV] = secret = secrets.token_hex(32)
+    try:
+        yield secret
+    finally:
+        if os.environ.get(RUN_SECRET_ENV) == secret:
+            del os.environ[RUN_SECRET_ENV]
+
+
+def _take_leases(cfg: OrchConfig, run_id: str, secret: Optional[str]):
     """Create the run dir and take the run's leases (ConfigError naming the live run holding one); a run dir
-    created here is removed again when refused, so a refused launch leaves nothing behind."""
+    created here is removed again when refused, so a refused launch leaves nothing behind. A lease found lost
+    later stops the run (:func:`lease_lost_recorder`)."""
     created = make_run_dir(cfg.run.dir)
-    events = EventLog(cfg.run.dir)
-    keeper = run_leases(cfg, run_id)
-    keeper.on_lost = lambda lease: events.emit("lease_lost", url=lease.url, setting=lease.setting,
-                                               holder=(lease.read() or lease).run_id)
+    keeper = run_leases(cfg, run_id, secret)
+    keeper.on_lost = lease_lost_recorder(EventLog(cfg.run.dir))
     try:
         return keeper.acquire()
     except BaseException:
         if created:
             shutil.rmtree(cfg.run.dir, ignore_errors=True)
         raise
+
+
+def lease_lost_recorder(events: EventLog):
+    """``on_lost`` for a launch's leases: a ``lease_lost`` event naming the lease and who holds it now. The
+    controller reads it and stops every node at once, the run ending ``failed`` with its reason (the workers'
+    commit check refuses their saves meanwhile: orchestrator/checkpoint/fence.py)."""
+    def record(lease) -> None:
+        try:
+            holder = lease.read()
+        except Exception:  # noqa: BLE001 - the store that lost us the lease may be unreachable now
+            holder = None
+        whom = f"run {holder.run_id}" if holder is not None else "another writer (its lease file is gone)"
+        events.emit(EventName.LEASE_LOST, url=lease.url, setting=lease.setting, by="launcher",
+                    holder=holder.run_id if holder is not None else None,
+                    reason=f"lease on {lease.setting}={lease.url} lost to {whom}")
+    return record
 
 
 STDOUT = "stdout"  # echo to whatever sys.stdout is when launch() is called (not when this module was imported)
@@ -165,14 +201,15 @@ def launch_config(cfg: OrchConfig, *, dry_run: bool = False, echo: Optional[Text
     progress = RunProgress(cfg.run.dir, cfg.trainer.max_steps if cfg.entrypoint.builtin else None, echo) if echo else None
     echo = progress.echo if progress else echo
     launcher = _launcher(cfg, run_id, echo)  # the Ray launcher connects here: unreachable exits 2, no run dir
-    leases = _take_leases(cfg, run_id)  # the first write: the run dir and its lease, nothing else yet
-    try:
-        write_config(cfg, cfg.run.dir)
-        record_launch(cfg.run.dir, run_id, cfg.preset, overrides)
-        with progress or contextlib.nullcontext():
-            status = launcher.run()
-    finally:
-        leases.release()
+    with run_secret(cfg) as secret:
+        leases = _take_leases(cfg, run_id, secret)  # the first write: the run dir and its leases, nothing else yet
+        try:
+            write_config(cfg, cfg.run.dir)
+            record_launch(cfg.run.dir, run_id, cfg.preset, overrides)
+            with progress or contextlib.nullcontext():
+                status = launcher.run()
+        finally:
+            leases.release()
     summary = write_summary(cfg.run.dir)
     result = LaunchResult(status, cfg.run.dir, run_id, summary, plan)
     if status in ("succeeded", "stopped"):

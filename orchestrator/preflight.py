@@ -11,6 +11,7 @@ import importlib.machinery
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 from orchestrator.config.schema import OrchConfig
 from orchestrator.errors import ConfigError
@@ -86,17 +87,26 @@ def make_run_dir(run_dir: str) -> bool:
     return not existed
 
 
-def run_leases(cfg: OrchConfig, run_id: str):
-    """The run's leases (not yet taken): its run dir, and its checkpoint URL when set apart from the run dir.
-    Of a Kubernetes job's pods (``cluster.node_index``) only node 0 holds them, shared with pods of the same run
-    id (a replacement pod takes over), since every pod runs one launcher of the same run."""
-    from orchestrator.checkpoint.lease import Lease, LeaseKeeper
+def run_leases(cfg: OrchConfig, run_id: str, secret: Optional[str] = None):
+    """The run's leases (not yet taken): its run dir, and the checkpoint URL it writes (``checkpoint.url``, by
+    default ``<run.dir>/checkpoints``); a URL that is the run dir itself is leased once, and ``memory://`` not at
+    all (each process has its own). ``secret``: the run's secret, when every process of the run has it; each
+    lease then carries its proof.
 
-    node = cfg.cluster.node_index
+    Of a Kubernetes job's pods (``cluster.node_index``) node 0 holds them, taking over a live lease of the same
+    run id only when it proves the run's secret (a replacement of node 0); nodes >= 1 take none and wait for a
+    live lease of their run on the checkpoint URL (the storage every pod shares; each pod's run dir is its
+    own) before they start."""
+    from orchestrator.checkpoint.lease import Lease, LeaseFollower, LeaseKeeper
+    from orchestrator.checkpoint.storage import normalize_url, url_scheme
+
+    node, timeout = cfg.cluster.node_index, cfg.run.lease_timeout_s
+    url = cfg.checkpoint.url or f"{cfg.run.dir}/checkpoints"
+    leased = url_scheme(url) != "memory" and normalize_url(url) != normalize_url(cfg.run.dir)
     if node not in (None, 0):
-        return LeaseKeeper([])
-    leases = [Lease(cfg.run.dir, run_id, cfg.run.lease_timeout_s, "run.dir", shared=node is not None)]
-    if cfg.checkpoint.url is not None:
-        leases.append(Lease(cfg.checkpoint.url, run_id, cfg.run.lease_timeout_s, "checkpoint.url",
-                            shared=node is not None))
+        return LeaseKeeper([LeaseFollower(url, run_id, timeout, "checkpoint.url", secret)] if leased else [])
+    pod = node is not None
+    leases = [Lease(cfg.run.dir, run_id, timeout, "run.dir", shared=pod, secret=secret)]
+    if leased:
+        leases.append(Lease(url, run_id, timeout, "checkpoint.url", shared=pod, secret=secret))
     return LeaseKeeper(leases)

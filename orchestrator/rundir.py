@@ -83,6 +83,7 @@ class EventName(StrEnum):
     CHECKPOINT_RETENTION_FAILED = "checkpoint_retention_failed"
     CHECKPOINT_CONFIG_CHANGED = "checkpoint_config_changed"
     CHECKPOINT_INTERVAL = "checkpoint_interval"  # every_n_steps=auto set a new interval (orchestrator/checkpoint/interval.py)
+    LEASE_LOST = "lease_lost"  # the run's lease on its run dir or checkpoint URL is another run's: the run stops
     # fault injection
     CHAOS_KILL = "chaos_kill"
     CHAOS_PREEMPT = "chaos_preempt"

@@ -1,5 +1,7 @@
-"""Fencing between writers: leases on run dirs and checkpoint URLs (local and S3 through moto), lineage-aware
-retention, re-saves on object stores that never lose the committed step, safetensors checkpoints and export."""
+"""Fencing between writers: leases on run dirs and checkpoint URLs (local and S3 through moto), retention that
+deletes only its own run's steps, re-saves on object stores that never lose the committed step, safetensors
+checkpoints and export. Attacks on the fencing (racing takers, PID namespaces, stolen run ids, lost leases) are
+in tests/security/test_fencing_attacks.py."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from orchestrator.checkpoint import CheckpointError, CheckpointManager, step_dirname
-from orchestrator.checkpoint.lease import LEASE_NAME, Lease, LeaseKeeper, LeaseRecord
+from orchestrator.checkpoint.lease import LEGACY_LEASE_NAME, Lease, LeaseKeeper, LeaseRecord, lease_name
 from orchestrator.errors import ConfigError
 from orchproc import read_jsonl, run_orch, start_orch, stop_tree, wait_for
 
@@ -29,12 +31,13 @@ def url(request, tmp_path):
     return f"s3://{bucket}/ckpt"
 
 
-def write_record(url: str, **changes) -> None:
+def write_record(url: str, gen: int = 1, **changes) -> None:
+    """A lease file of generation ``gen`` (0: the file orch wrote before generations) held by another run."""
     lease = Lease(url, "other-run", 60.0, "checkpoint.url")
     record = {"run_id": "other-run", "token": "t" * 32, "host": "another-host", "pid": 1, "pid_start_t": 0.0,
               "timeout_s": 60.0, "heartbeat_t": time.time(), **changes}
     lease.storage.makedirs()
-    lease.storage.write_bytes(LEASE_NAME, json.dumps(record).encode())
+    lease.storage.write_bytes(lease_name(gen), json.dumps(record).encode())
 
 
 def test_live_lease_is_refused_naming_the_run_and_a_stale_one_is_taken_over(url):
@@ -50,14 +53,35 @@ def test_live_lease_is_refused_naming_the_run_and_a_stale_one_is_taken_over(url)
     assert mine.read() is None
 
 
-def test_lease_of_a_dead_process_on_this_host_is_taken_over_at_once(tmp_path):
+def test_lease_of_a_dead_process_of_this_kernel_and_pid_namespace_is_taken_over_at_once(tmp_path):
     import socket
     import subprocess
     import sys
 
+    from orchestrator.checkpoint.lease_record import boot_id, pid_namespace
+
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    write_record(str(tmp_path), host=socket.gethostname(), pid=int(dead.stdout), pid_start_t=1.0)
-    Lease(str(tmp_path), "next-run", 60.0, "run.dir").acquire()
+    write_record(str(tmp_path), host=socket.gethostname(), pid=int(dead.stdout), pid_start_t=1.0,
+                 boot_id=boot_id(), pid_ns=pid_namespace())
+    mine = Lease(str(tmp_path), "next-run", 60.0, "run.dir")
+    mine.acquire()
+    assert mine.gen == 2 and sorted(p.name for p in tmp_path.iterdir()) == [lease_name(2)]  # the dead one's is gone
+
+
+def test_an_old_lease_file_is_judged_by_its_heartbeat_alone(tmp_path):
+    """A lease orch wrote before boot ids and PID namespaces (``.orch-lease.json``): its host name cannot tell
+    whether its PID is one of ours, so only a heartbeat older than its timeout frees it."""
+    import socket
+
+    write_record(str(tmp_path), gen=0, host=socket.gethostname(), pid=2 ** 22 + 1, pid_start_t=1.0)
+    with pytest.raises(ConfigError, match="is in use by live run other-run"):
+        Lease(str(tmp_path), "next-run", 60.0, "run.dir").acquire()
+    write_record(str(tmp_path), gen=0, heartbeat_t=time.time() - 61)
+    mine = Lease(str(tmp_path), "next-run", 60.0, "run.dir")
+    mine.acquire()
+    assert mine.gen == 1 and not (tmp_path / LEGACY_LEASE_NAME).exists()
+    mine.release()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_heartbeats_renew_the_lease_and_report_a_takeover(tmp_path):
@@ -66,14 +90,25 @@ def test_heartbeats_renew_the_lease_and_report_a_takeover(tmp_path):
     try:
         first = keeper.leases[0].read().heartbeat_t
         wait_for(lambda: keeper.leases[0].read().heartbeat_t > first, 5, "a heartbeat")
-        write_record(str(tmp_path), run_id="run-b", heartbeat_t=time.time() + 100)  # another run took it
+        write_record(str(tmp_path), gen=2, run_id="run-b")  # another run took it (the next generation)
         wait_for(lambda: lost, 5, "the takeover to be noticed")
     finally:
         keeper.release()
-    assert LeaseRecord(**json.loads((tmp_path / LEASE_NAME).read_text())).run_id == "run-b"  # not deleted: not ours
+    assert LeaseRecord.parse(json.loads((tmp_path / lease_name(2)).read_text())).run_id == "run-b"  # not ours
 
 
-def test_retention_deletes_only_its_own_lineage(url):
+def test_a_rewritten_lease_file_is_lost_and_left_alone(tmp_path):
+    lost = []
+    keeper = LeaseKeeper([Lease(str(tmp_path), "run-a", 1.0, "run.dir")], on_lost=lost.append).acquire()
+    try:
+        write_record(str(tmp_path), gen=1, run_id="run-b")  # a writer without an exclusive create overwrote it
+        wait_for(lambda: lost, 5, "the overwrite to be noticed")
+    finally:
+        keeper.release()
+    assert LeaseRecord.parse(json.loads((tmp_path / lease_name(1)).read_text())).run_id == "run-b"
+
+
+def test_retention_deletes_only_its_own_runs_steps(url):
     CheckpointManager(url, keep_last=1, async_save=False, run_id="x").save(1, state(1))  # an unrelated run
     a = CheckpointManager(url, keep_last=2, async_save=False, run_id="a")
     for step in (2, 3, 4):
@@ -81,11 +116,11 @@ def test_retention_deletes_only_its_own_lineage(url):
     assert [i.step for i in a.list()] == [1, 3, 4]  # x's step 1 is not a's to delete
 
     b = CheckpointManager(url, keep_last=2, async_save=False, run_id="b")
-    assert b.load().step == 4  # resumes a's lineage
-    b.save(5, state(5))
-    b.save(6, state(6))
+    assert b.load().step == 4  # resumes from a's step 4
+    for step in (5, 6, 7):
+        b.save(step, state(step))
     infos = b.list()
-    assert [i.step for i in infos] == [1, 5, 6]  # a's 3 and 4 are its ancestors' (deleted); x's 1 stays
+    assert [i.step for i in infos] == [1, 3, 4, 6, 7]  # b's 5 goes; a's steps (it resumed from them) and x's stay
     assert infos[-1].run_id == "b" and infos[-1].lineage == ("a", "b")
     manifest = json.loads(b.storage.read_bytes(f"{step_dirname(6)}/manifest.json"))
     assert manifest["resumed_from"] == {"run_id": "a", "step": 4}

@@ -3,7 +3,7 @@
 Layout: ``<url>/step_<N:09d>/{<payload>.pt..., manifest.json}``. See :mod:`.manager` for the protocol.
 """
 
-from .errors import CheckpointError, CheckpointSetupError
+from .errors import CheckpointError, CheckpointFenced, CheckpointSetupError
 from .inspect import format_checkpoint_detail, format_checkpoint_list
 from .manager import CheckpointInfo, CheckpointManager, LoadedCheckpoint
 from .manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, ManifestError
@@ -14,6 +14,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "CheckpointError",
+    "CheckpointFenced",
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointSetupError",

@@ -4,4 +4,10 @@ from __future__ import annotations
 
 from orchestrator.errors import CheckpointError, CheckpointSetupError
 
-__all__ = ["CheckpointError", "CheckpointSetupError"]
+
+class CheckpointFenced(CheckpointError):
+    """A save refused because the writer's lease on the checkpoint URL is not its run's any more (see
+    :mod:`orchestrator.checkpoint.fence`): nothing was committed. Exit 1."""
+
+
+__all__ = ["CheckpointError", "CheckpointFenced", "CheckpointSetupError"]

@@ -11,8 +11,9 @@ most one directory or set of files that every reader ignores; a failed save remo
 
 Payloads are ``torch.save`` files (``format="torch"``) or, with ``format="safetensors"``, per payload a
 safetensors file of its tensors and a JSON file of the rest (:func:`orchestrator.ft.wire.split`): read back
-without any unpickling. Manifests carry the writer's run id and lineage; retention deletes only checkpoints of
-its own lineage (see :meth:`CheckpointManager._prune`).
+without any unpickling. Manifests carry the writer's run id and lineage; retention deletes only checkpoints its
+own run wrote (see :meth:`CheckpointManager._prune`). A ``fence`` (orchestrator/checkpoint/fence.py) is asked
+before a save writes anything and again right before its commit; a save it refuses commits nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import CheckpointError, CheckpointSetupError
+from .errors import CheckpointError, CheckpointFenced, CheckpointSetupError
 from .manifest import (
     MANIFEST_NAME,
     PAYLOAD_FORMATS,
@@ -55,6 +56,7 @@ _PAYLOAD_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _PAYLOAD_FILE_RE = re.compile(r"^(?P<name>.+?)(?P<tag>\.r[0-9a-f]{8})?\.(?P<ext>pt|safetensors|json)$")
 
 EventHook = Callable[[str, dict], None]
+Fence = Callable[[], "str | None"]  # why this writer may not commit now (its lease is another run's), or None
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,10 @@ class _NoSpace(OSError):
     """The filesystem reports less free space than the save is expected to need."""
 
 
+class _Fenced(Exception):
+    """The fence refused the save: this writer's lease on the URL is not its run's any more."""
+
+
 class _Unreadable(Exception):
     """A checkpoint that passed the size check but cannot be read back (checksum, missing file, unsafe)."""
 
@@ -105,8 +111,11 @@ class CheckpointManager:
     ``on_event(name, fields)``: called with ``checkpoint_saved`` / ``checkpoint_failed`` /
     ``checkpoint_skipped`` / ``checkpoint_retention_failed``; from the background thread for async saves.
     ``run_id``: recorded in every manifest with the lineage (the run ids before it, from the checkpoint
-    :meth:`load` resumed from); retention then deletes only checkpoints of that lineage. None: no run id
-    (retention treats checkpoints without one as its own). ``format``: ``torch`` or ``safetensors``.
+    :meth:`load` resumed from); retention then deletes only checkpoints this run id wrote, never those it
+    resumed from or another run's. None: no run id (retention treats checkpoints without one as its own).
+    ``format``: ``torch`` or ``safetensors``. ``fence()``: asked before a save writes anything, again right
+    before its commit and before retention deletes anything; a reason returned refuses the save
+    (CheckpointFenced: ``checkpoint_failed``, nothing committed, its partial files removed) or skips retention.
     Not thread-safe: call ``save``/``wait``/``load`` from one thread (the training loop).
     """
 
@@ -118,6 +127,7 @@ class CheckpointManager:
         on_event: EventHook | None = None,
         run_id: str | None = None,
         format: str = "torch",
+        fence: Fence | None = None,
     ):
         if not isinstance(keep_last, int) or keep_last < 1:
             raise CheckpointSetupError(f"CheckpointManager keep_last={keep_last!r}", "must be an integer >= 1",
@@ -125,7 +135,7 @@ class CheckpointManager:
         if format not in PAYLOAD_FORMATS:
             raise CheckpointSetupError(f"CheckpointManager format={format!r}", "is not a checkpoint format",
                                        f"use one of {', '.join(PAYLOAD_FORMATS)}")
-        self.run_id, self.format = run_id, format
+        self.run_id, self.format, self._fence = run_id, format, fence
         self.lineage: tuple[str, ...] = (run_id,) if run_id else ()
         self.resumed_from: dict[str, Any] | None = None
         self._loading: set[int] = set()  # steps being read now: retention leaves them alone
@@ -222,17 +232,21 @@ class CheckpointManager:
         stepdir = step_dirname(step)
         try:
             storage = self.storage
+            self._check_fence()
             self._check_free_space(storage)
             if storage.has_rename:
                 manifest = self._write_and_rename(storage, step, stepdir, cpu_state, metadata)
             else:
                 manifest = self._write_in_place(storage, step, stepdir, cpu_state, metadata)
         except Exception as e:  # noqa: BLE001 - any failure must reach the caller, never vanish
-            self._emit("checkpoint_failed", {
-                "step": step, "error": f"{type(e).__name__}: {e}", "async": is_async, "url": self.url,
-            })
+            error = f"refused, nothing committed: {e}" if isinstance(e, _Fenced) else f"{type(e).__name__}: {e}"
+            self._emit("checkpoint_failed", {"step": step, "error": error, "async": is_async, "url": self.url})
             if isinstance(e, _NoSpace):
                 raise CheckpointError(f"checkpoint save of step {step} to {self.url} refused: {e}") from e
+            if isinstance(e, _Fenced):
+                raise CheckpointFenced(
+                    f"checkpoint save of step {step} to {self.url} refused, nothing committed: {e}. Fix: another "
+                    "launch holds this checkpoint URL now; give each run its own checkpoint.url") from e
             raise CheckpointError(
                 f"checkpoint save of step {step} to {self.url} failed: {type(e).__name__}: {e}. Fix: {_WRITE_FIX}"
             ) from e
@@ -261,6 +275,8 @@ class CheckpointManager:
                     del data
             manifest = build_manifest(step, entries, metadata, format=self.format, run_id=self.run_id,
                                       lineage=self.lineage, resumed_from=self.resumed_from)
+            if not storage.has_rename:
+                self._check_fence()  # on object stores the manifest written next is the commit
             storage.write_bytes_atomic(f"{dirname}/{MANIFEST_NAME}", encode_manifest(manifest))
         except BaseException:
             for fname in entries:
@@ -312,6 +328,7 @@ class CheckpointManager:
         tmp = tmp_dirname(step)
         try:
             manifest = self._write_files(storage, step, tmp, cpu_state, metadata)
+            self._check_fence()  # the rename is the commit
             storage.commit_dir(tmp, stepdir)
         except BaseException:
             _quietly(storage.remove, tmp)
@@ -335,12 +352,28 @@ class CheckpointManager:
                 "checkpoint.keep_last, or point checkpoint.url at a larger one"
             )
 
+    def _check_fence(self) -> None:
+        """Raise _Fenced when the fence refuses (a fence that fails to answer refuses too: unknown is not ours)."""
+        if self._fence is None:
+            return
+        try:
+            reason = self._fence()
+        except Exception as e:  # noqa: BLE001 - the lease could not be read: committing blind is what fencing forbids
+            reason = f"the lease could not be read ({type(e).__name__}: {e})"
+        if reason:
+            raise _Fenced(reason)
+
     # -- retention --------------------------------------------------------------------------------
     def _prune(self) -> None:
-        """Keep the ``keep_last`` newest valid checkpoints of this manager's lineage; drop its older valid ones,
-        and incomplete or temporary directories older than the newest valid one. Never deleted: a checkpoint
-        another run wrote (a run id outside the lineage), the newest valid one, one being loaded. Failures warn
-        (the new checkpoint is committed)."""
+        """Keep the ``keep_last`` newest valid checkpoints this run wrote; drop its older valid ones, and
+        incomplete or temporary directories older than the newest valid one. Never deleted: a checkpoint another
+        run wrote (the runs this one resumed from included, and steps copied in from elsewhere), the newest valid
+        one, one being loaded; nothing at all while the fence refuses. Failures warn (the new checkpoint is
+        committed)."""
+        try:
+            self._check_fence()
+        except _Fenced:
+            return
         try:
             infos = self.list()
             valid = [i.step for i in infos if i.valid]
@@ -364,9 +397,10 @@ class CheckpointManager:
             self._emit("checkpoint_retention_failed", {"error": msg, "url": self.url})
 
     def _own(self, info: CheckpointInfo) -> bool:
-        """Whether ``info`` was written by this lineage (checkpoints without a run id belong to a manager
-        without one: the behavior before run ids existed)."""
-        return info.run_id in self.lineage if info.run_id is not None else self.run_id is None
+        """Whether this run wrote ``info`` (checkpoints without a run id belong to a manager without one: the
+        behavior before run ids existed). Its ancestors' are not its own: they may be copies another run
+        still counts on, or the only record of where this run came from."""
+        return info.run_id == self.run_id
 
     # -- listing ----------------------------------------------------------------------------------
     def list(self) -> list[CheckpointInfo]:

@@ -96,6 +96,8 @@ class CheckpointStorage:
         self.needs_dirs = self.is_local or "memory" in _protocols(self.fs)
         # Only a local (or NFS) mount gives an atomic directory rename; s3fs/gcsfs "mv" is copy + delete.
         self.has_rename = self.is_local
+        self.atomic_create = self.is_local or _has_conditional_put(self.fs)
+        """Whether :meth:`create_exclusive` is atomic here (see there); False: check, then write."""
 
     # -- addressing -------------------------------------------------------------------------------
     def path(self, relpath: str = "") -> str:
@@ -145,6 +147,47 @@ class CheckpointStorage:
             self.remove_file(tmp)
             raise
         _fsync_dir(self.path(relpath).rsplit("/", 1)[0])
+
+    def create_exclusive(self, relpath: str, data: bytes) -> bool:
+        """Create ``relpath`` holding ``data`` only if it does not exist: True if this call created it, False if
+        it existed. Readers see the whole content or no file, never a part.
+
+        Atomic where :attr:`atomic_create` says so: on a local disk or NFS the data is written to a private
+        temporary file and hard-linked to ``relpath`` (``link`` fails when the name exists, also over NFS,
+        where ``O_EXCL`` alone would expose an empty file); on S3 (s3fs) a PUT with ``If-None-Match: *``; on GCS
+        (gcsfs) an upload with ``ifGenerationMatch=0``. Elsewhere it checks, then writes: two callers racing
+        within that window may both get True, the later write winning."""
+        if self.is_local:
+            return self._link_exclusive(relpath, data)
+        path = self.path(relpath)
+        if self.needs_dirs:
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        try:
+            if self.atomic_create or "memory" in _protocols(self.fs):  # memory: one process, open("xb")
+                self.fs.pipe_file(path, bytes(data), mode="create")
+            elif self.exists(relpath):
+                return False
+            else:
+                self.fs.pipe_file(path, bytes(data))
+        except FileExistsError:
+            return False
+        finally:
+            self.fs.invalidate_cache(path)
+        return True
+
+    def _link_exclusive(self, relpath: str, data: bytes) -> bool:
+        tmp = f"{relpath}.tmp-{uuid.uuid4().hex}"
+        self.write_bytes(tmp, data)
+        try:
+            os.link(self.path(tmp), self.path(relpath))
+        except FileExistsError:
+            # NFS may retry a link whose reply was lost and report EEXIST for its own success: the temporary
+            # file then has two links.
+            return os.stat(self.path(tmp)).st_nlink == 2
+        finally:
+            self.remove_file(tmp)
+        _fsync_dir(self.path(relpath).rsplit("/", 1)[0])
+        return True
 
     def commit_dir(self, tmp_relpath: str, final_relpath: str) -> None:
         """Make the fully written ``tmp_relpath`` directory appear as ``final_relpath`` (needs has_rename).
@@ -296,6 +339,22 @@ def list_tmp_dirs(storage: "CheckpointStorage") -> list[tuple[int, str]]:
         if match and e.get("type") == "directory":
             out.append((int(match.group(1)), name))
     return out
+
+
+_CONDITIONAL_PUT_PROTOCOLS = {"s3", "s3a", "gs", "gcs"}  # s3fs: If-None-Match: *; gcsfs: ifGenerationMatch=0
+
+
+def _has_conditional_put(fs: Any) -> bool:
+    """Whether ``fs.pipe_file(..., mode="create")`` is a conditional create on the server (s3fs and gcsfs
+    releases that take ``mode``), not fsspec's generic check-then-write."""
+    if not _CONDITIONAL_PUT_PROTOCOLS & set(_protocols(fs)):
+        return False
+    import inspect
+
+    try:
+        return "mode" in inspect.signature(type(fs)._pipe_file).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:

@@ -109,6 +109,8 @@ class Controller:
         self._stop_deadline = 0.0
         self._lingering_stopped = False
         self._first_exit_after_training: Optional[float] = None
+        self.lease_lost: Optional[str] = None  # a lease_lost event's reason: the run's writes are fenced; stop
+        self._lease_stop_sent = False
         self.state: State = SCHEDULING
         self.hangs = HangWatch(self.run_dir, cfg.hang, events)
 
@@ -177,7 +179,7 @@ class Controller:
             self.standbys.clear()
         if self._by_id:
             return state
-        then = state.then
+        then = failed(self.lease_lost) if self.lease_lost else state.then
         if then.status in (RunStatus.PREEMPTED, RunStatus.STOPPED) and self.training_finished is not None:
             return finished(RunStatus.SUCCEEDED)  # the notice came after the last step: nothing was cut short
         return then
@@ -222,6 +224,9 @@ class Controller:
     def _handle_updates(self) -> Optional[State]:
         """Read new events, then agent starts and exits; returns the next state if an exit calls for one."""
         self._read_events()
+        if self.lease_lost and not self._lease_stop_sent:  # before any exit is judged: no restart, no new agent
+            self._lease_stop_sent = True
+            return self._stop_all_then(failed(self.lease_lost))
         running = {n: a.pid for n, a in self.agents.items() if a.pid is not None and not a.stopping}
         fatal = self.hooks.on_tick(running, self.rdzv_id)
         if fatal:  # the machines themselves are gone: nothing is left to stop
@@ -487,6 +492,8 @@ class Controller:
                 self._first_steps = [*self._first_steps[-9:], e]
             elif kind == EventName.WORKER_FAILED:
                 self._worker_failures = [*self._worker_failures[-63:], e]
+            elif kind == EventName.LEASE_LOST and self.lease_lost is None:
+                self.lease_lost = e.get("reason") or f"lease on {e.get('url')} lost"
 
     def _attempt_failures(self) -> list[dict[str, Any]]:
         return [e for e in self._worker_failures if e["t"] >= self._attempt_t]

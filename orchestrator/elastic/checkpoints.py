@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from orchestrator.checkpoint import CheckpointManager
+from orchestrator.checkpoint.fence import fence_from_env
 from orchestrator.checkpoint.interval import PROBE_STEPS, IntervalPolicy
 from orchestrator.config.schema import CheckpointConfig
 from orchestrator.elastic import collectives
@@ -45,17 +46,22 @@ class SessionCheckpoints:
     in each checkpoint (:func:`hash_settings`); a resume whose fingerprint differs warns and emits
     ``checkpoint_config_changed``.
     ``seed`` seeds the RNGs of ranks the checkpointed job did not have. ``run_dir``: the run's history, which
-    ``every_n_steps=auto`` reads (interruptions so far, save stalls)."""
+    ``every_n_steps=auto`` reads (interruptions so far, save stalls). Under orch's launcher every save to the
+    URL it leased (``cfg.url``, else ``<run_dir>/checkpoints``) is fenced: committed only while that lease is
+    this run's (orchestrator/checkpoint/fence.py); the first time another run holds it, ``lease_lost`` is
+    emitted and the launcher stops the run."""
 
     def __init__(self, cfg: CheckpointConfig, url: str, state: TrainingState, ctx: DistContext,
                  device: torch.device, seed: int, emit: Emit, fingerprint: Optional[dict[str, str]] = None,
                  run_dir: Optional[str] = None):
         self.cfg, self.url, self.state, self.ctx, self.device, self.seed = cfg, url, state, ctx, device, seed
         self.emit, self.fingerprint = emit, fingerprint
-        # The launcher's run id (ORCH_RUN_ID) goes into every manifest: retention keeps to this run's lineage.
+        # The launcher's run id (ORCH_RUN_ID) goes into every manifest: retention keeps to this run's own steps.
+        leased = cfg.url or (f"{run_dir}/checkpoints" if run_dir is not None else None)
+        self.fence = fence_from_env(url, leased)
         self.manager = CheckpointManager(url, keep_last=cfg.keep_last, async_save=cfg.async_save,
                                          on_event=self._on_event, run_id=os.environ.get("ORCH_RUN_ID"),
-                                         format=cfg.format)
+                                         format=cfg.format, fence=self._fence_check if self.fence else None)
         self.last_saved_step: Optional[int] = None
         self.last_save_s: Optional[float] = None  # stall + write of the latest committed save (rank 0)
         # every_n_steps=auto: rank 0 measures and decides; every rank keeps the same next decision step.
@@ -70,6 +76,18 @@ class SessionCheckpoints:
         if name == EventName.CHECKPOINT_SAVED:
             self.last_save_s = fields.get("stall_s", 0.0) + fields.get("write_s", 0.0)
         self.emit(name, **fields)
+
+    def _fence_check(self) -> Optional[str]:
+        """The manager's fence: why this save may not commit, or None; ``lease_lost`` once another run holds it."""
+        was_lost = self.fence.lost is not None
+        verdict = self.fence.refusal()
+        if verdict is None:
+            return None
+        if verdict.lost_to is not None and not was_lost:
+            self.emit(EventName.LEASE_LOST, url=self.url, setting="checkpoint.url", holder=verdict.lost_to,
+                      by="worker", step=self.state.progress.step,
+                      reason=f"lease on checkpoint.url={self.url} lost to run {verdict.lost_to}")
+        return verdict.reason
 
     def expected_save_s(self) -> Optional[float]:
         """How long a synchronous save should take, judged from the last one (None before any)."""
