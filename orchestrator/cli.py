@@ -170,6 +170,8 @@ def cmd_k8s_render(args: argparse.Namespace) -> int:
     if args.output:
         path = write(rendered, args.output)
         print(f"wrote {path}: {rendered.summary()}")
+        if rendered.secret_command:
+            print(f"before kubectl apply, create the run's Secret: {rendered.secret_command}")
     else:
         sys.stdout.write(rendered.text())
     return 0

@@ -19,11 +19,12 @@ from typing import Any, Iterator, Optional, Sequence, TextIO
 from omegaconf import OmegaConf
 
 from orchestrator.config.schema import OrchConfig
+from orchestrator.config.values import run_id_slug
 from orchestrator.errors import ConfigError, Interrupted, OrchError, Preempted, RunFailed
 from orchestrator.lifecycle.record import record_launch
 from orchestrator.plan.plan import CONFIG_FILE, LaunchPlan, build_plan
 from orchestrator.plan.resources import check_local_resources
-from orchestrator.preflight import check_entrypoint, check_resume_step, check_store_port, make_run_dir, run_leases
+from orchestrator.preflight import check_entrypoint, check_resume_step, check_store_address, make_run_dir, run_leases
 from orchestrator.report.progress import RunProgress
 from orchestrator.report.summary import write_summary
 from orchestrator.rundir import EventLog, EventName
@@ -42,10 +43,11 @@ def resolve_run_dir(cfg: Any) -> str:
 
 
 def new_run_id(cfg: OrchConfig) -> str:
-    """``run.id`` if set (the pods of one Kubernetes job share it), else a new unique id."""
+    """``run.id`` if set (the pods of one Kubernetes job share it), else a new unique id that passes run.id's
+    own check (``cpu_elastic`` -> ``cpu-elastic-<timestamp>-<hex>``: see config/values.py)."""
     if cfg.run.id:
         return cfg.run.id
-    return f"{cfg.preset}-{time.strftime('%Y%m%d%H%M%S')}-{secrets.token_hex(3)}"
+    return f"{run_id_slug(cfg.preset, 40)}-{time.strftime('%Y%m%d%H%M%S')}-{secrets.token_hex(3)}"
 
 
 def write_config(cfg: OrchConfig, run_dir: str) -> None:
@@ -76,7 +78,7 @@ def preflight_launch(cfg: OrchConfig, store: bool = True) -> None:
     exists: each a ConfigError (exit 2) before anything is written, instead of a failure after agents start."""
     check_entrypoint(cfg)
     if store:
-        check_store_port(cfg)
+        check_store_address(cfg)
     check_resume_step(cfg, checkpoint_url(cfg))
 
 

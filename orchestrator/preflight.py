@@ -1,14 +1,15 @@
 """Launch preflight: what ``orch launch`` checks against this machine before it writes or starts anything.
 
 Each check turns a problem that would otherwise surface only after the agents started (a script that is not
-there, a module that does not import, a busy store port, a resume step that was never saved) into one
-``ConfigError`` line naming the key, the value and the fix, with nothing written.
+there, a module that does not import, a store host that does not resolve, a busy store port, a resume step that
+was never saved) into one ``ConfigError`` line naming the key, the value and the fix, with nothing written.
 """
 
 from __future__ import annotations
 
 import importlib.machinery
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Optional
@@ -43,13 +44,24 @@ def _module_findable(name: str) -> bool:
     return spec is not None
 
 
-def check_store_port(cfg: OrchConfig) -> None:
-    """A fixed ``rendezvous.port`` the launcher would host the store on is free now (0 always is)."""
+def check_store_address(cfg: OrchConfig) -> None:
+    """The store (and per_step's Lighthouse) this launch hosts can listen on ``rendezvous.host``: the name
+    resolves, it is an address of this machine, and a fixed ``rendezvous.port`` is free there (0 always is).
+    Bound and closed again with the function the store itself binds with. Not for an external store, whose
+    name (a Kubernetes Service's) may resolve only inside the cluster, nor a test cluster's bridge."""
     r = cfg.rendezvous
-    if r.external or r.port == 0 or cfg.cluster.testcluster:
+    if r.external or cfg.cluster.testcluster:
         return
     from orchestrator.rendezvous.store import listening_socket
 
+    fix = "use an address of this machine (127.0.0.1, its IP or host name, or 0.0.0.0 for every interface)"
+    try:
+        listening_socket(r.host, 0).close()
+    except OSError as e:  # gaierror first: it is an OSError too
+        problem = "does not resolve" if isinstance(e, socket.gaierror) else "cannot be listened on here"
+        raise ConfigError("rendezvous.host", r.host, fix, f"{problem} ({e.strerror or e})") from None
+    if r.port == 0:
+        return
     try:
         listening_socket(r.host, r.port).close()
     except OSError as e:

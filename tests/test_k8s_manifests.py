@@ -243,7 +243,7 @@ def test_output_dir_gets_one_file_per_format(tmp_path, capsys):
     assert orch_main(argv) == 0
     written = (tmp_path / "rayjob.yaml").read_text()
     run_id = written.split("run.id=", 1)[1].split()[0]  # drawn fresh, and named in the header's command
-    assert f"wrote {tmp_path}/rayjob.yaml: RayJob/orch-{run_id}" in capsys.readouterr().out
+    assert f"wrote {tmp_path}/rayjob.yaml: NetworkPolicy/orch-{run_id}, RayJob/orch-{run_id}\n" == capsys.readouterr().out
     assert run_id.startswith("cpu-gloo-") and len(run_id) == len("cpu-gloo-") + 6
     assert written == render("cpu_gloo", ["checkpoint.url=s3://b/c", f"run.id={run_id}"], "rayjob").text()
 

@@ -94,7 +94,7 @@ SECRET = "hf_" + "aB3" * 12
     ([f"+k8s.env.MODEL_ACCESS={SECRET}"], ["k8s.env.MODEL_ACCESS='<redacted", "k8s.secrets"]),
     (["+k8s.env.DB_PASSWORD=hunter2"], ["k8s.env.DB_PASSWORD='<redacted, 7 chars>'", "k8s.secrets"]),
     (["+k8s.secrets.HF_TOKEN=Bad_Secret"], ["k8s.secrets.HF_TOKEN='Bad_Secret' is invalid", "SECRET/KEY"]),
-    (["run.id=Exp_1"], ["run.id='Exp_1' cannot be part of a Kubernetes name", "Fix:"]),
+    (["run.id=Exp_1"], ["run.id='Exp_1' is invalid", "Fix: use at most 63 lower-case letters, digits and '-'"]),
     (["run.id=" + "x" * 60], ["makes the name 'orch-xxx", "Fix: shorten run.id or k8s.name"]),
     (["k8s.name=9lives"], ["k8s.name='9lives' is invalid", "starting with a letter"]),
     (["++k8s.labels={team:a b}"], ["k8s.labels.team='a b' is invalid", "Fix:"]),
@@ -141,7 +141,7 @@ def test_every_pod_runs_as_non_root_without_privileges(fmt):
 @pytest.mark.parametrize("fmt", ["job", "jobset", "trainjob", "pytorchjob"])
 def test_the_store_admits_only_its_runs_pods(fmt):
     objs = render_objects(fmt, "checkpoint.url=s3://b/c", "rendezvous.port=31000")
-    (policy,) = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    (policy,) = [o for o in objs if o["kind"] == "NetworkPolicy" and o["metadata"]["name"].endswith("-rdzv")]
     templates = [t for o in objs for t in pod_templates(o)]
     selects = lambda selector, t: selector.items() <= t["metadata"]["labels"].items()  # noqa: E731
     stores = [t for t in templates if selects(policy["spec"]["podSelector"]["matchLabels"], t)]
@@ -171,7 +171,7 @@ def test_jobset_ties_the_store_to_the_job_and_restarts_only_what_it_should():
 
 
 def test_trainjob_refers_to_its_own_runtime():
-    policy, runtime, trainjob = render_objects("trainjob", "checkpoint.url=s3://b/c", "run.id=t4", preset="cpu_elastic")
+    _, _, runtime, trainjob = render_objects("trainjob", "checkpoint.url=s3://b/c", "run.id=t4", preset="cpu_elastic")
     assert trainjob["spec"]["runtimeRef"] == {"apiGroup": "trainer.kubeflow.org", "kind": "ClusterTrainingRuntime",
                                               "name": runtime["metadata"]["name"]}
     assert trainjob["spec"]["trainer"]["numNodes"] == runtime["spec"]["mlPolicy"]["numNodes"] == 3

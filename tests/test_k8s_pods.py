@@ -13,6 +13,7 @@ a directory of the pod's own. Ports are picked free at run time and rendered int
 from __future__ import annotations
 
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -186,8 +187,12 @@ def test_job_pods_train_checkpoint_on_sigterm_and_the_recreated_pod_resumes(tmp_
                      fmt).objects
     secret = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_ENDPOINT_URL": s3_env,
               "AWS_DEFAULT_REGION": "us-east-1"}
-    kubelet = Kubelet(objects, {"orch-checkpoint-credentials": secret}, tmp_path / "pods")
     store_template, job = store_and_node_job(objects)
+    # The store is gated by default: the Secret the header says to create, `<job name>-run-secret`, key `secret`.
+    (gate,) = [e["valueFrom"]["secretKeyRef"] for e in store_template["spec"]["containers"][0]["env"]
+               if e["name"] == "ORCH_RUN_SECRET"]
+    run_secret = {gate["name"]: {gate["key"]: secrets.token_hex(32)}}
+    kubelet = Kubelet(objects, {"orch-checkpoint-credentials": secret, **run_secret}, tmp_path / "pods")
     template, nodes = job["template"], job["parallelism"]
     grace = template["spec"]["terminationGracePeriodSeconds"]
     try:

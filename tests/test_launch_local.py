@@ -76,7 +76,7 @@ def test_user_script_entrypoint_runs_under_the_plans_torchrun(tmp_path):
     seen = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(s["env"]["WORLD_SIZE"] == "2" and s["rank_sum"] == 1.0 for s in seen)
     assert {s["env"]["RANK"] for s in seen} == {"0", "1"}
-    assert seen[0]["env"]["TORCHELASTIC_RUN_ID"].startswith("cpu_gloo-")
+    assert seen[0]["env"]["TORCHELASTIC_RUN_ID"].startswith("cpu-gloo-")
 
 
 def test_user_code_failure_exhausts_max_failures_and_names_the_root_cause_rank(tmp_path):

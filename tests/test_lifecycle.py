@@ -35,7 +35,7 @@ def test_detached_launch_survives_its_terminal_then_status_logs_stop_resume(tmp_
     pid = json.loads((run_dir / "launch.json").read_text())["supervisor"]["pid"]
     try:
         assert terminal.returncode == -signal.SIGHUP, terminal.stderr  # the terminal died of the hangup
-        assert f"run dir: {run_dir}" in terminal.stdout and "run id: cpu_gloo-" in terminal.stdout
+        assert f"run dir: {run_dir}" in terminal.stdout and "run id: cpu-gloo-" in terminal.stdout
         def step() -> int:
             status = run_orch("status", str(run_dir), timeout=60)
             assert status.returncode == 0, status.stderr

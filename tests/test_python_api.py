@@ -106,7 +106,7 @@ def test_dry_run_prints_nothing_unless_asked(tmp_path, capsys):
     result = orchestrator.launch("cpu_gloo", [f"run.dir={tmp_path / 'run'}"], dry_run=True)
     assert capsys.readouterr().out == ""
     assert (result.status, result.run_dir, result.summary) == ("dry-run", str(tmp_path / "run"), {})
-    assert result.run_id.startswith("cpu_gloo-") and len(result.plan.nodes) == 2
+    assert result.run_id.startswith("cpu-gloo-") and len(result.plan.nodes) == 2
     echo = io.StringIO()
     orchestrator.launch("cpu_gloo", [f"run.dir={tmp_path / 'run'}"], dry_run=True, echo=echo)
     assert echo.getvalue().startswith("launch plan for preset 'cpu_gloo'") and capsys.readouterr().out == ""

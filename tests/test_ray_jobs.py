@@ -75,7 +75,7 @@ def test_ray_jobs_launch_logs_and_stop(ray_head, tmp_path):
     submitted = run_orch("launch", "conf=cpu_gloo", "trainer.max_steps=400", *SLOW, "cluster.placement=pack",
                          f"cluster.address={url}", f"run.dir={run_dir}", "--detach", env=env, timeout=120)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
-    assert f"submitted Ray job cpu_gloo-" in submitted.stdout and f"run dir: {run_dir}" in submitted.stdout
+    assert f"submitted Ray job cpu-gloo-" in submitted.stdout and f"run dir: {run_dir}" in submitted.stdout
     record = json.loads((run_dir / "launch.json").read_text())
     assert record["mode"] == "ray_job" and record["ray_job"]["address"] == url
     assert f"cluster.address={url}" in record["overrides"]  # resume submits to the same cluster

@@ -1,7 +1,8 @@
 """Shape checks of the ``k8s`` group's maps and lists (labels, secrets, volumes, ...), run where the config is
 composed. Kubernetes' schemas type these as plain strings, so an API server would accept or mangle what
-these rules refuse: better one clear line here than a pod that never starts. ``check_env`` is the exception
-run by ``orch k8s render`` only: a credential in ``k8s.env`` is harmless until it is written into a manifest."""
+these rules refuse: better one clear line here than a pod that never starts. ``check_env`` and
+``check_rendered_values`` are the exception, run by ``orch k8s render`` only: a credential in ``k8s.env`` or in
+an override's URL is harmless until it is written into a manifest (its args, env or header comment)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 SECRET_NAME = re.compile(r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIALS?)(_|$)", re.I)
 SECRET_VALUE = re.compile(r"^(hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_|glpat-|(AKIA|ASIA)[0-9A-Z]{16}"
                           r"|sk-[A-Za-z0-9_-]{20,}|xox[abpr]-|-----BEGIN )")
+# A credential inside a URL: ``scheme://user:password@`` (the user may be empty, the password may hold '/', but
+# ``host:8080/path@x`` is a port, not a password) or ``scheme://token@``.
+URL_CREDENTIAL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?:[^/\s@:'\"]*:(?!\d*(?:/|$))[^\s@'\"]*"
+                            r"|[^/\s@:'\"\[\]{},]+)@")
 VOLUME_KEYS = {"name", "mount_path", "claim", "size", "read_only"}
 RESERVED_MOUNTS = ("/dev/shm", "/tmp", "/workspace", "/runs")
 
@@ -51,16 +56,53 @@ def check_labels(key: str, labels: dict, values_are_labels: bool = True) -> None
 
 
 def check_env(env: dict) -> None:
-    """Plain variables only: a credential in ``k8s.env`` would be written into the manifest in clear text."""
+    """Plain variables only: a credential in ``k8s.env`` (by its name, its shape, or inside a URL) would be
+    written into the manifest in clear text."""
     for name, value in env.items():
         _require(f"k8s.env.{name}", value, _match(ENV_NAME, str(name)), "use letters, digits, '_', '-' and '.'",
                  "has an invalid variable name")
         text = "" if value is None else str(value)
         if text and (SECRET_NAME.search(str(name)) or SECRET_VALUE.match(text)):
-            raise ConfigError(f"k8s.env.{name}", f"<redacted, {len(text)} chars>",
-                              f"put it in a Secret (kubectl create secret generic NAME --from-literal={name}=...) and "
-                              f"refer to it: +k8s.secrets.{name}=NAME (or NAME/KEY); drop k8s.env.{name}",
+            raise ConfigError(f"k8s.env.{name}", f"<redacted, {len(text)} chars>", _env_secret_fix(str(name)),
                               "looks like a credential, which would be written into the manifest in plain text")
+        check_url_credentials(f"k8s.env.{name}", text)
+
+
+def _env_secret_fix(name: str) -> str:
+    return (f"put it in a Secret (kubectl create secret generic NAME --from-literal={name}=...) and refer to it: "
+            f"+k8s.secrets.{name}=NAME (or NAME/KEY); drop k8s.env.{name}")
+
+
+def check_url_credentials(key: str, text: str) -> None:
+    """No ``scheme://user:password@`` or ``scheme://token@`` inside ``text`` (the value of ``key``); the error
+    shows the value with the credential cut out, never the credential."""
+    if not URL_CREDENTIAL.search(text):
+        return
+    env = key.removeprefix("k8s.env.") if key.startswith("k8s.env.") else None
+    fix = _env_secret_fix(env) if env else (
+        "take the credential out of the URL and give it to the pods from a Secret: k8s.checkpoint_secret (its keys "
+        "become environment variables, e.g. AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for s3://) or "
+        "+k8s.secrets.VAR=SECRET (or SECRET/KEY)")
+    raise ConfigError(key, redact_url_credentials(text), fix, "holds a credential inside a URL, which would be "
+                      "written into the manifest in plain text")
+
+
+def redact_url_credentials(text: str) -> str:
+    return URL_CREDENTIAL.sub(lambda m: f"{m.group('scheme')}://<redacted>@", text)
+
+
+def check_rendered_values(overrides: list, k8s: Any) -> None:
+    """What ``orch k8s render`` writes as text besides the k8s objects' own fields: every override (the pods'
+    args and the header's command) and the free-text ``k8s`` values (env, annotations, image, tolerations)."""
+    check_env(k8s.env)
+    for override in overrides:
+        key, _, value = str(override).lstrip("+~").partition("=")
+        check_url_credentials(key, value)
+    values = [("k8s.image", k8s.image), *((f"k8s.annotations.{k}", v) for k, v in k8s.annotations.items()),
+              *((f"k8s.tolerations[{i}]", t) for i, t in enumerate(k8s.tolerations)),
+              *((f"k8s.spot_tolerations[{i}]", t) for i, t in enumerate(k8s.spot_tolerations))]
+    for key, value in values:
+        check_url_credentials(key, str(value))
 
 
 def check_secrets(secrets: dict) -> None:
@@ -73,11 +115,21 @@ def check_secrets(secrets: dict) -> None:
                  "name a Secret, and optionally its key: SECRET or SECRET/KEY (default key: the variable's name)")
 
 
-def check_run_secret(ref: str) -> None:
-    """``k8s.run_secret``: ``''`` (off), or the Secret holding the run's secret, ``NAME`` or ``NAME/KEY``."""
-    _require("k8s.run_secret", ref, not ref or (_secret_ref_ok(ref) and len(ref.partition("/")[0]) <= 253),
+def check_run_secret(ref: Any) -> None:
+    """``k8s.run_secret``: ``None`` (a Secret named after the job), ``''`` (off), or the Secret holding the run's
+    secret, ``NAME`` or ``NAME/KEY``."""
+    _require("k8s.run_secret", ref, ref is None or ref == "" or (
+        isinstance(ref, str) and _secret_ref_ok(ref) and len(ref.partition("/")[0]) <= 253),
              "name a Secret you created, NAME (key 'secret') or NAME/KEY, e.g. k8s.run_secret=orch-run-secret "
-             "(lower-case letters, digits, '-' and '.'), or '' for none")
+             "(lower-case letters, digits, '-' and '.'), or null for <job name>-run-secret")
+
+
+def check_resource_name(key: str, value: Any) -> None:
+    """An extended resource name, ``[prefix/]name`` like ``nvidia.com/gpu``."""
+    prefix, _, short = str(value).rpartition("/")
+    _require(key, value, isinstance(value, str) and (not prefix or _match(DNS_SUBDOMAIN, prefix))
+             and _match(LABEL_NAME, short) and len(short) <= 63,
+             "use a resource name of the form [dns.prefix/]name, e.g. nvidia.com/gpu or amd.com/gpu")
 
 
 def _secret_ref_ok(ref: str) -> bool:

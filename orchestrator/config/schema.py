@@ -18,7 +18,8 @@ from typing import Any, Optional
 from omegaconf import MISSING
 
 from orchestrator.config import k8s_checks
-from orchestrator.config.k8s_checks import DNS_LABEL, QUANTITY
+from orchestrator.config.k8s_checks import DNS_LABEL, LABEL_VALUE, QUANTITY
+from orchestrator.config.values import check_host, check_ray_address, check_run_id, check_url_host
 from orchestrator.errors import ConfigError
 
 BACKENDS = ("nccl", "gloo")
@@ -180,6 +181,7 @@ class ClusterConfig:
         if self.gpus_per_node is not None:
             _require("cluster.gpus_per_node", self.gpus_per_node, self.gpus_per_node >= 0, "use 0 or more GPUs, or null")
         _one_of("cluster.placement", self.placement, PLACEMENTS)
+        check_ray_address(self.address)
         if self.testcluster is not None:
             _require("cluster.testcluster", self.testcluster, bool(re.fullmatch(r"[a-z][a-z0-9-]{0,23}", self.testcluster)),
                      "use the NAME given to `orch testcluster up --name NAME` (a-z, 0-9, '-'), or null")
@@ -237,6 +239,8 @@ class RendezvousConfig:
             _require(f"rendezvous.{key}", value, value > 0, "use a positive number of seconds")
         _require("rendezvous.keep_alive_max_attempt", self.keep_alive_max_attempt, self.keep_alive_max_attempt >= 3,
                  "use 3 or more (with fewer, a node drops out of the rendezvous after a shrink)", "is too low")
+        check_host("rendezvous.host", self.host, "use an IP address or host name, e.g. rendezvous.host=127.0.0.1 "
+                   "(with rendezvous.external=true: the address of the store to dial)")
         _require("rendezvous.port", self.port, 0 <= self.port < 65536, "use 0 (auto) or a TCP port")
         _require("rendezvous.port", self.port, self.port > 0 or not self.external,
                  "give the external store's port (rendezvous.external=true dials host:port)", "cannot be 0 (auto)")
@@ -332,8 +336,10 @@ class RunConfig:
     dir: Optional[str] = None
     """The run dir; ``null`` means ``runs/<preset>/<timestamp>-<4 hex>/`` under the current directory."""
     id: Optional[str] = None
-    """The run id, which is also torchrun's rendezvous id; ``null``: ``<preset>-<timestamp>-<hex>``. Every pod of
-    one Kubernetes job sets the same id, so that their nodes meet in one rendezvous."""
+    """The run id, which is also torchrun's rendezvous id; ``null``: ``<preset>-<timestamp>-<hex>`` (the preset's
+    name in lower case with '-' for other characters: ``cpu-elastic-...``). Every pod of one Kubernetes job sets
+    the same id, so that their nodes meet in one rendezvous. It names files and Kubernetes objects, so it is a
+    DNS-1123 label: at most 63 of a-z, 0-9 and '-', alphanumeric at both ends."""
     lease_timeout_s: float = 60.0
     """The launcher holds a lease on the run dir and on ``checkpoint.url``, renewed every quarter of this: another
     launch there is refused while it is live, and takes it over once not renewed for this long (at once when its
@@ -342,6 +348,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         _require("run.lease_timeout_s", self.lease_timeout_s, 1 <= self.lease_timeout_s < math.inf,
                  "use a finite number of seconds >= 1 (e.g. 60)")
+        check_run_id(self.id)
 
 
 PREEMPTION_SOURCES = ("sigterm", "aws", "gcp", "azure", "chaos")
@@ -429,6 +436,9 @@ class PreemptionConfig:
         _require("preemption.grace_period_s", self.grace_period_s, 0 < self.grace_period_s < math.inf,
                  "use a positive, finite number of seconds (e.g. 30)")
         _require("preemption.poll_interval_s", self.poll_interval_s, self.poll_interval_s > 0, "use a positive number")
+        for key in ("aws_endpoint", "gcp_endpoint", "azure_endpoint"):
+            check_url_host(f"preemption.{key}", getattr(self, key), ("http", "https"),
+                           f"use http://HOST[:PORT], e.g. the default {self.__dataclass_fields__[key].default}")
 
 
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -503,11 +513,21 @@ class K8sConfig:
     secrets: dict = field(default_factory=dict)
     """Environment variables from Secret references, ``{NAME: SECRET}`` (key NAME) or ``{NAME: SECRET/KEY}``; the
     value never appears in the manifest. ``orch k8s render`` refuses ``k8s.env`` values that look like credentials."""
-    run_secret: str = ""
-    """A Secret you create, ``NAME`` (key ``secret``) or ``NAME/KEY``, holding the run's secret: the store pod and
-    every node pod get it as ``ORCH_RUN_SECRET`` (a reference, never the value), so the store admits only clients
-    that prove it, as under ``orch launch``. Empty: the store is ungated (only the NetworkPolicy guards it).
-    Formats whose pods dial ``orch rendezvous-store`` only (not rayjob)."""
+    run_secret: Optional[str] = None
+    """The Secret holding the run's secret, ``NAME`` (key ``secret``) or ``NAME/KEY``: the store pod and every
+    node pod get it as ``ORCH_RUN_SECRET`` (a reference, never the value), so the store admits only clients that
+    prove it, as under ``orch launch``. ``null`` (the default): ``<job name>-run-secret``, key ``secret``, which
+    you create before applying (the manifest's header says how). ``''``: ungated, only the NetworkPolicy guards
+    the store (said as a warning on every render). Formats whose pods dial ``orch rendezvous-store`` only: rayjob
+    refuses a name (the Ray launcher gates its own store per launch)."""
+    automount_service_account_token: bool = False
+    """``automountServiceAccountToken`` of every pod: orch's pods never call the Kubernetes API, so none gets a
+    token to it unless this is ``true`` (for code of yours that does; IRSA, GKE and Azure workload identity do not
+    need it)."""
+    ray_operator_namespace: Optional[str] = None
+    """rayjob: the namespace of the KubeRay operator, which polls the Ray dashboard for the job's status (its
+    NetworkPolicy admits the operator's pods, ``app.kubernetes.io/component: kuberay-operator``, from this
+    namespace only); ``null``: from any namespace."""
 
     def __post_init__(self) -> None:
         _require("k8s.image", self.image, bool(self.image), "give the image with orch installed, e.g. k8s.image=orch:latest")
@@ -525,7 +545,10 @@ class K8sConfig:
         _require("k8s.backoff_limit", self.backoff_limit, self.backoff_limit >= 0, "use 0 or more")
         _require("k8s.termination_grace_margin_s", self.termination_grace_margin_s,
                  self.termination_grace_margin_s >= 0, "use 0 or more seconds")
-        for key in ("queue", "scheduler_name", "priority_class", "namespace", "service_account"):
+        _require("k8s.backoff_limit", self.backoff_limit, self.backoff_limit < 2**31, "use at most 2147483647 "
+                 "(Kubernetes' limit, an int32)", "is out of range")
+        for key in ("queue", "scheduler_name", "priority_class", "namespace", "service_account", "checkpoint_secret",
+                    "run_dir_claim", "ray_operator_namespace"):
             if getattr(self, key) is not None:
                 k8s_checks.check_dns_name(f"k8s.{key}", getattr(self, key))
         for i, secret in enumerate(self.image_pull_secrets):
@@ -536,6 +559,8 @@ class K8sConfig:
         k8s_checks.check_secrets(self.secrets)
         k8s_checks.check_volumes(self.volumes)
         k8s_checks.check_run_secret(self.run_secret)
+        if self.gpu_resource_name is not None:
+            k8s_checks.check_resource_name("k8s.gpu_resource_name", self.gpu_resource_name)
 
 
 @dataclass
@@ -688,6 +713,10 @@ class OrchConfig:
     """Experiment trackers (the ``logger`` group: none, tensorboard, mlflow, wandb, or a list of them)."""
 
     def __post_init__(self) -> None:
+        # The preset's name is a directory of runs/, the start of generated run ids and a Kubernetes label value.
+        _require("preset", self.preset, isinstance(self.preset, str) and re.match(LABEL_VALUE, self.preset) is not None
+                 and 0 < len(self.preset) <= 63, "name the preset with at most 63 letters, digits, '-', '_' and '.', "
+                 "starting and ending with a letter or digit (it names the directory runs/<preset>/)")
         _one_of("launcher", self.launcher, LAUNCHERS)
         _require("cluster.testcluster", self.cluster.testcluster,
                  not (self.cluster.testcluster and self.launcher == "ray" and self.cluster.address),

@@ -8,6 +8,8 @@ from typing import Any
 import importlib
 
 from orchestrator.config.schema import OrchConfig
+from orchestrator.config.target_args import check_target_args
+from orchestrator.config.values import check_numbers
 from orchestrator.errors import ConfigError
 
 # Arguments the runtime supplies itself when instantiating; they must not be required in config.
@@ -15,7 +17,8 @@ RUNTIME_ARGS = {"optim": ("params",), "scheduler": ("optimizer",), "data.dataset
 
 
 def validate_config(cfg: OrchConfig) -> None:
-    """Raise ConfigError for the first cross-group inconsistency in ``cfg``."""
+    """Raise ConfigError for the first cross-group inconsistency in ``cfg``, or number out of bounds."""
+    check_numbers(cfg)
     if cfg.backend.name == "nccl" and cfg.cluster.device != "cuda":
         raise ConfigError("backend.name", "nccl", "use backend=gloo for cluster.device=cpu, or cluster.device=cuda",
                           f"needs CUDA devices but cluster.device is {cfg.cluster.device!r}")
@@ -126,6 +129,7 @@ def check_instantiable(key: str, node: Any, supplied: tuple = ()) -> None:
                and n not in kwargs and n not in supplied]
     if missing:
         raise ConfigError(f"{key}.{missing[0]}", None, f"set it with +{key}.{missing[0]}=...", "is required by the target")
+    check_target_args(key, str(target), obj, kwargs, params)
 
 
 def locate(path: str) -> Any:

@@ -2,6 +2,7 @@
 
 - the rendezvous store: a Deployment + Service running ``orch rendezvous-store`` (store.py), and the
   NetworkPolicy that admits only the run's pods to it;
+- a NetworkPolicy that admits only the run's pods to the training pods (``trainer_policy``);
 - a headless Service giving each training pod a stable DNS name (``<name>-<index>.<name>-nodes``);
 - an Indexed Job, one pod per node (parallelism = completions = MAX nodes). Each pod runs
   ``orch launch ... launcher=local cluster.node_index=$(JOB_COMPLETION_INDEX) rendezvous.external=true`` against
@@ -22,6 +23,7 @@ from orchestrator.k8s.names import check_names, object_name
 from orchestrator.k8s.pods import (PREEMPTED_EXIT, USER_ERROR_EXIT, metadata, node_launch_args, pod_spec,
                                    require_gpu_resource, require_shared_checkpoints, selector, store_service,
                                    template_metadata, training_container, training_env)
+from orchestrator.k8s.security import run_network_policy
 from orchestrator.k8s.store import store_objects
 
 COMPONENT = "trainer"
@@ -34,6 +36,12 @@ def require_runnable(cfg: OrchConfig) -> None:
     """The checks every format of one pod per node makes before rendering."""
     require_gpu_resource(cfg)
     require_shared_checkpoints(cfg, cfg.cluster.max_nodes, f"cluster.nnodes={cfg.cluster.nnodes}")
+
+
+def trainer_policy(cfg: OrchConfig) -> dict[str, Any]:
+    """Ingress to the training pods only from the run's own pods: torchrun's rank-0 store, gloo and NCCL
+    listen on them, on ports picked at run time. Every format with one pod per node renders it."""
+    return run_network_policy(cfg, selector(cfg, COMPONENT), metadata(cfg, object_name(cfg), COMPONENT))
 
 
 def node_job_spec(cfg: OrchConfig, overrides: Sequence[str], container_name: str = CONTAINER,
@@ -63,7 +71,8 @@ def node_job_spec(cfg: OrchConfig, overrides: Sequence[str], container_name: str
 
 
 def render_job(cfg: OrchConfig, overrides: Sequence[str]) -> list[dict[str, Any]]:
-    """Store NetworkPolicy, Service and Deployment, the headless Service, and the Indexed Job, in apply order."""
+    """Store NetworkPolicy, Service and Deployment, the training pods' NetworkPolicy, the headless Service, and
+    the Indexed Job, in apply order."""
     require_runnable(cfg)
     name, headless = object_name(cfg), f"{object_name(cfg)}-nodes"
     check_names(cfg, [name, headless, store_service(cfg), f"{name}-{cfg.cluster.max_nodes - 1}"])
@@ -75,4 +84,4 @@ def render_job(cfg: OrchConfig, overrides: Sequence[str]) -> list[dict[str, Any]
         "apiVersion": "v1", "kind": "Service", "metadata": metadata(cfg, headless, COMPONENT),
         "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": selector(cfg, COMPONENT)},
     }
-    return [*store_objects(cfg), service, job]
+    return [*store_objects(cfg), trainer_policy(cfg), service, job]

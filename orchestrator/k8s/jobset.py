@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from orchestrator.config.schema import OrchConfig
-from orchestrator.k8s.job import COMPONENT, CONTAINER, DISRUPTED, node_job_spec, require_runnable
+from orchestrator.k8s.job import COMPONENT, CONTAINER, DISRUPTED, node_job_spec, require_runnable, trainer_policy
 from orchestrator.k8s.names import check_names, object_name
 from orchestrator.k8s.pods import metadata, template_metadata
 from orchestrator.k8s.store import COMPONENT as STORE_COMPONENT
@@ -60,9 +60,9 @@ def jobset_spec(cfg: OrchConfig, overrides: Sequence[str], name: str, node_conta
 
 
 def render_jobset(cfg: OrchConfig, overrides: Sequence[str]) -> list[dict[str, Any]]:
-    """The store's NetworkPolicy and the JobSet."""
+    """The store's and the training pods' NetworkPolicies, and the JobSet."""
     require_runnable(cfg)
     name = object_name(cfg)
     jobset = {"apiVersion": API_VERSION, "kind": "JobSet", "metadata": metadata(cfg, name, COMPONENT, workload=True),
               "spec": jobset_spec(cfg, overrides, name)}
-    return [store_policy(cfg), jobset]
+    return [store_policy(cfg), trainer_policy(cfg), jobset]

@@ -9,6 +9,7 @@ import secrets
 from typing import Iterable
 
 from orchestrator.config.schema import OrchConfig
+from orchestrator.config.values import run_id_slug
 from orchestrator.errors import ConfigError
 
 MAX_LABEL = 63  # a DNS label: Service names, pod hostnames, label values
@@ -17,8 +18,7 @@ RFC1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 def new_run_id(preset: str) -> str:
     """``<preset>-<6 hex>`` as a DNS label: unique per render, readable in ``kubectl get``."""
-    slug = re.sub(r"[^a-z0-9-]+", "-", preset.lower()).strip("-")[:20].strip("-")
-    return f"{slug}-{secrets.token_hex(3)}"
+    return f"{run_id_slug(preset, 20)}-{secrets.token_hex(3)}"
 
 
 def object_name(cfg: OrchConfig) -> str:
@@ -29,11 +29,8 @@ def object_name(cfg: OrchConfig) -> str:
 
 def check_names(cfg: OrchConfig, names: Iterable[str]) -> None:
     """Every name must be an RFC 1035 label of at most 63 characters (the strictest rule among the objects,
-    Services and hostnames that carry it). A bad one is the run id's or k8s.name's fault: say which to change."""
-    run_id = str(cfg.run.id)
-    if not re.match(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", run_id):
-        raise ConfigError("run.id", cfg.run.id, "use lower-case letters, digits and '-', starting and ending "
-                          "alphanumeric (or leave run.id unset for a fresh one)", "cannot be part of a Kubernetes name")
+    Services and hostnames that carry it). A bad one is the run id's or k8s.name's fault: say which to change.
+    (``run.id``'s characters are checked where the config is composed: config/values.py.)"""
     for name in names:
         if len(name) > MAX_LABEL or not RFC1035.match(name):
             raise ConfigError("run.id", cfg.run.id, "shorten run.id or k8s.name (names are <k8s.name or orch>-<run.id>)",

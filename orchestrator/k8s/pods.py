@@ -25,6 +25,8 @@ PREEMPTED_EXIT = Preempted.exit_code  # 75: orch saved an emergency checkpoint a
 USER_ERROR_EXIT = UserError.exit_code  # 2: a bad config or image fails the same way on every retry
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 RUN_SECRET_KEY = "secret"  # k8s.run_secret=NAME: the key of `kubectl create secret generic NAME --from-literal=secret=...`
+RUN_SECRET_SUFFIX = "-run-secret"  # k8s.run_secret=null: the Secret <job name>-run-secret
+POD_IP_ENV = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}  # $(POD_IP) in args
 
 
 def store_service(cfg: OrchConfig) -> str:
@@ -123,30 +125,51 @@ def resources(cfg: OrchConfig) -> dict[str, Any]:
     return result
 
 
-def training_env(cfg: OrchConfig, extra: Optional[list[dict[str, Any]]] = None) -> list[dict[str, Any]]:
+def training_env(cfg: OrchConfig, extra: Optional[list[dict[str, Any]]] = None,
+                 dials_store: bool = True) -> list[dict[str, Any]]:
     """Environment of a training container. torchrun publishes the pod IP (``PET_LOCAL_ADDR``, its
     ``--local-addr``) as the address other pods dial for rank 0, so no pod needs a resolvable hostname. With
-    ``k8s.run_secret``, the run's secret, for the tunnel to the gated store."""
+    ``dials_store`` (its agents dial ``orch rendezvous-store``), the run's secret, for the gated store."""
     return [
         *(extra or []),
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        POD_IP_ENV,
         {"name": "PET_LOCAL_ADDR", "value": "$(POD_IP)"},
         *user_env(cfg),
-        *run_secret_env(cfg),
+        *(run_secret_env(cfg) if dials_store else []),
     ]
 
 
+def run_secret_ref(cfg: OrchConfig) -> str:
+    """The Secret reference (``NAME`` or ``NAME/KEY``) that gates the run's store: ``k8s.run_secret``, or for
+    ``null`` one named after the job, so that no render is ungated unless ``k8s.run_secret=''`` says so."""
+    if cfg.k8s.run_secret is None:
+        return object_name(cfg) + RUN_SECRET_SUFFIX
+    return cfg.k8s.run_secret
+
+
+def create_secret_command(cfg: OrchConfig) -> str:
+    """The ``kubectl`` command that creates the run's Secret with a fresh random value (never in a manifest);
+    empty when the store is ungated."""
+    ref = run_secret_ref(cfg)
+    if not ref:
+        return ""
+    name, _, key = ref.partition("/")
+    namespace = f" -n {cfg.k8s.namespace}" if cfg.k8s.namespace else ""
+    return (f'kubectl create secret generic {name}{namespace} --from-literal={key or RUN_SECRET_KEY}='
+            f'"$(openssl rand -hex 32)"')
+
+
 def run_secret_env(cfg: OrchConfig) -> list[dict[str, Any]]:
-    """``k8s.run_secret`` as ``ORCH_RUN_SECRET`` from the Secret (``NAME`` or ``NAME/KEY``, key ``secret``): the
-    store pod gates the store with it and each node's agents answer the gate through orch's tunnel. A
-    reference only, so the secret is in no manifest. Empty when unset."""
-    if not cfg.k8s.run_secret:
-        return []
-    return [secret_env(RUN_SECRET_ENV, cfg.k8s.run_secret, RUN_SECRET_KEY)]
+    """The run's secret as ``ORCH_RUN_SECRET`` from its Secret (``run_secret_ref``; key ``secret`` unless named):
+    the store pod gates the store with it and each node's agents answer the gate. A reference only, so the
+    secret is in no manifest. Empty when ``k8s.run_secret=''``."""
+    ref = run_secret_ref(cfg)
+    return [secret_env(RUN_SECRET_ENV, ref, RUN_SECRET_KEY)] if ref else []
 
 
 def refuse_run_secret(cfg: OrchConfig, fmt: str, why: str) -> None:
-    """For a format whose pods never dial ``orch rendezvous-store``: ``k8s.run_secret`` would gate nothing."""
+    """For a format whose pods never dial ``orch rendezvous-store``: a named ``k8s.run_secret`` would gate
+    nothing (``null``, the default, and ``''`` ask for nothing there)."""
     if cfg.k8s.run_secret:
         raise ConfigError("k8s.run_secret", cfg.k8s.run_secret,
                           "drop k8s.run_secret, or render --format job, jobset, trainjob or pytorchjob (orch's own store)",
@@ -220,6 +243,8 @@ def base_pod_spec(cfg: OrchConfig, containers: list[dict[str, Any]], restart_pol
     spec: dict[str, Any] = {
         "containers": containers,
         "enableServiceLinks": False,  # no <SERVICE>_PORT variables: Services named orch-* would add ORCH_* ones
+        # orch never calls the Kubernetes API: a token for it would only be something for an intruder to use
+        "automountServiceAccountToken": k.automount_service_account_token,
         "securityContext": pod_security_context(),
         "volumes": scratch_volumes(),
     }

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from orchestrator.config.schema import OrchConfig
-from orchestrator.k8s.job import require_runnable
+from orchestrator.k8s.job import require_runnable, trainer_policy
 from orchestrator.k8s.names import check_names, object_name
 from orchestrator.k8s.pods import (metadata, node_launch_args, pod_spec, store_port, store_service,
                                    template_metadata, training_container, training_env)
@@ -27,7 +27,7 @@ INDEX_LABEL = "training.kubeflow.org/replica-index"
 
 
 def render_pytorchjob(cfg: OrchConfig, overrides: Sequence[str]) -> list[dict[str, Any]]:
-    """Store Service + Deployment and the PyTorchJob."""
+    """The store's NetworkPolicy, Service and Deployment, the workers' NetworkPolicy, and the PyTorchJob."""
     c, k = cfg.cluster, cfg.k8s
     require_runnable(cfg)
     check_names(cfg, [object_name(cfg), store_service(cfg), f"{object_name(cfg)}-worker-{c.max_nodes - 1}"])
@@ -55,4 +55,4 @@ def render_pytorchjob(cfg: OrchConfig, overrides: Sequence[str]) -> list[dict[st
             }},
         },
     }
-    return [*store_objects(cfg), job]
+    return [*store_objects(cfg), trainer_policy(cfg), job]

@@ -6,7 +6,13 @@ spot placement: losing it ends the job). The worker group has one Ray node per o
 minReplicas = MIN), spot-placed when configured; the controller places one node agent on each. The Ray
 launcher's run dir must be on storage every Ray pod sees: a ReadWriteMany claim mounted at /runs. Ray's
 processes write outside /tmp, so its pods keep a writable root filesystem (the other defaults of
-security.py apply). No NetworkPolicy: the store lives on the head, which KubeRay's job submitter must reach.
+security.py apply).
+
+The dashboard (the Jobs API: whoever reaches it runs code on the cluster) listens on the head pod's IP, not on
+every interface, and a NetworkPolicy admits to the Ray pods only the run's own pods (any port: Ray's and
+torch's are picked at run time), KubeRay's job submitter (the Job KubeRay names after the RayJob) and the
+KubeRay operator (which polls the job's status), those two on the dashboard's port only. The store on the head
+is gated by the Ray launcher with a fresh secret per launch.
 """
 
 from __future__ import annotations
@@ -17,15 +23,24 @@ from typing import Any, Sequence
 from orchestrator.config.schema import OrchConfig
 from orchestrator.errors import ConfigError
 from orchestrator.k8s.names import check_names, object_name
-from orchestrator.k8s.pods import (gpus_per_pod, metadata, passthrough, pod_spec, refuse_run_secret,
+from orchestrator.k8s.pods import (POD_IP_ENV, gpus_per_pod, metadata, passthrough, pod_spec, refuse_run_secret,
                                    require_gpu_resource, require_shared_checkpoints, template_metadata,
                                    training_container, training_env, user_env)
+from orchestrator.k8s.security import run_network_policy, tcp_ports
 
 RUNS_MOUNT = "/runs"
 RUNS_VOLUME = "runs"
 HEAD_RESOURCES = {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "8Gi"}}
-HEAD_PORTS = [{"name": "gcs", "containerPort": 6379}, {"name": "dashboard", "containerPort": 8265},
+DASHBOARD_PORT = 8265
+HEAD_PORTS = [{"name": "gcs", "containerPort": 6379}, {"name": "dashboard", "containerPort": DASHBOARD_PORT},
               {"name": "client", "containerPort": 10001}]
+OPERATOR_PODS = {"app.kubernetes.io/component": "kuberay-operator"}  # the operator's label in Helm and kustomize installs
+SUBMITTER_LABEL = "batch.kubernetes.io/job-name"  # set by Kubernetes on a Job's pods; KubeRay's submitter Job = RayJob's name
+# KubeRay probes the head's dashboard on localhost when it writes the probes itself; it listens on the pod IP,
+# which is where a kubelet's httpGet goes. KubeRay's own timings.
+HEAD_READINESS = {"httpGet": {"path": "/api/gcs_healthz", "port": DASHBOARD_PORT}, "initialDelaySeconds": 10,
+                  "periodSeconds": 5, "timeoutSeconds": 2, "failureThreshold": 10}
+HEAD_LIVENESS = {**HEAD_READINESS, "initialDelaySeconds": 30, "failureThreshold": 120}
 
 
 def entrypoint(cfg: OrchConfig, overrides: Sequence[str]) -> str:
@@ -43,7 +58,7 @@ def worker_start_params(cpu: str, gpus: int) -> dict[str, str]:
 
 
 def render_rayjob(cfg: OrchConfig, overrides: Sequence[str]) -> list[dict[str, Any]]:
-    """The RayJob, with its rayClusterSpec inline."""
+    """The Ray pods' NetworkPolicy and the RayJob, with its rayClusterSpec inline."""
     c, k = cfg.cluster, cfg.k8s
     require_gpu_resource(cfg)
     refuse_run_secret(cfg, "rayjob", "orch's Ray launcher hosts the store on the head and gates it with a fresh "
@@ -58,16 +73,20 @@ def render_rayjob(cfg: OrchConfig, overrides: Sequence[str]) -> list[dict[str, A
         require_shared_checkpoints(cfg, 1 + c.max_nodes, "a Ray head and its workers")
     runs = {"name": RUNS_VOLUME, "persistentVolumeClaim": {"claimName": k.run_dir_claim}}
     mount = [{"name": RUNS_VOLUME, "mountPath": RUNS_MOUNT}]
-    head = training_container(cfg, "ray-head", [], user_env(cfg), extra_mounts=mount, res=HEAD_RESOURCES,
-                              ports=HEAD_PORTS, read_only_root=False)
-    worker = training_container(cfg, "ray-worker", [], training_env(cfg), extra_mounts=mount, read_only_root=False)
+    head = training_container(cfg, "ray-head", [], [POD_IP_ENV, *user_env(cfg)], extra_mounts=mount,
+                              res=HEAD_RESOURCES, ports=HEAD_PORTS, read_only_root=False)
+    head.update(readinessProbe=HEAD_READINESS, livenessProbe=HEAD_LIVENESS)
+    # Ray's workers dial the head's store, gated by the Ray launcher itself: no Secret of the run's secret here.
+    worker = training_container(cfg, "ray-worker", [], training_env(cfg, dials_store=False), extra_mounts=mount,
+                                read_only_root=False)
     gpus = gpus_per_pod(cfg)
     template = lambda component, spec: {"metadata": template_metadata(cfg, component), "spec": spec}  # noqa: E731
     cluster = {
         "rayVersion": k.ray_version,
         "enableInTreeAutoscaling": False,
         "headGroupSpec": {
-            "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
+            # the kubelet expands $(POD_IP) in the `ray start` args KubeRay writes from these
+            "rayStartParams": {"dashboard-host": "$(POD_IP)", "num-cpus": "0"},
             "template": template("ray-head", pod_spec(cfg, [head], None, spot=False, extra_volumes=[runs])),
         },
         "workerGroupSpecs": [{
@@ -90,4 +109,16 @@ def render_rayjob(cfg: OrchConfig, overrides: Sequence[str]) -> list[dict[str, A
             "rayClusterSpec": cluster,
         },
     }
-    return [job]
+    return [ray_policy(cfg), job]
+
+
+def ray_policy(cfg: OrchConfig) -> dict[str, Any]:
+    """Ingress to the head and workers from the run's own pods (any port), and to the dashboard's port from
+    KubeRay's submitter and operator (see the module docstring)."""
+    namespace = cfg.k8s.ray_operator_namespace
+    operator = {"podSelector": {"matchLabels": OPERATOR_PODS},
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}} if namespace else {}}
+    submitter = {"podSelector": {"matchLabels": {SUBMITTER_LABEL: object_name(cfg)}}}
+    rule = {"from": [submitter, operator], "ports": tcp_ports(DASHBOARD_PORT)}
+    pods = {"app.kubernetes.io/instance": object_name(cfg)}
+    return run_network_policy(cfg, pods, metadata(cfg, object_name(cfg), "ray"), (rule,))

@@ -1,6 +1,8 @@
-"""Security defaults of every pod: a non-root user, no privilege escalation, no capabilities, a read-only root
-filesystem with memory-light emptyDirs where orch and torch write (/tmp, the working directory), and a
-NetworkPolicy that lets only the job's own pods reach its rendezvous store."""
+"""Security defaults of every pod: a non-root user, no privilege escalation, no capabilities, no Kubernetes API
+token (unless ``k8s.automount_service_account_token``), a read-only root filesystem with memory-light emptyDirs
+where orch and torch write (/tmp, the working directory), and NetworkPolicies that let only the job's own pods
+reach its pods: the rendezvous store on its port, the training pods on any port (torch's rank-0 store, gloo and
+NCCL listen on ports picked at run time)."""
 
 from __future__ import annotations
 
@@ -34,16 +36,29 @@ def scratch_mounts() -> list[dict[str, Any]]:
     return [{"name": name, "mountPath": path} for name, path in SCRATCH.items()]
 
 
+def ingress_policy(meta: dict[str, Any], pods: dict[str, str], rules: list[dict[str, Any]]) -> dict[str, Any]:
+    """A NetworkPolicy admitting to the pods labelled ``pods`` only what ``rules`` (ingress rules) allow."""
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta,
+            "spec": {"podSelector": {"matchLabels": pods}, "policyTypes": ["Ingress"], "ingress": rules}}
+
+
+def run_pods(cfg: OrchConfig) -> dict[str, Any]:
+    """The peer that is every pod of this run (the instance label every pod template carries)."""
+    return {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": object_name(cfg)}}}
+
+
+def tcp_ports(*ports: int) -> list[dict[str, Any]]:
+    return [{"protocol": "TCP", "port": port} for port in ports]
+
+
 def store_network_policy(cfg: OrchConfig, store_selector: dict[str, str], port: int, meta: dict[str, Any]) -> dict[str, Any]:
-    """Ingress to the store's pods only from pods of the same run, on the store port. Without
-    ``k8s.run_secret`` the store runs no authentication, so who can reach it is who can join (or disturb) the
-    job's rendezvous; with it, this is the outer wall and the gate the inner one."""
-    return {
-        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta,
-        "spec": {
-            "podSelector": {"matchLabels": store_selector},
-            "policyTypes": ["Ingress"],
-            "ingress": [{"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": object_name(cfg)}}}],
-                         "ports": [{"protocol": "TCP", "port": port}]}],
-        },
-    }
+    """Ingress to the store's pods only from pods of the same run, on the store port: the outer wall, with the
+    run's secret the inner one (``k8s.run_secret=''`` leaves this the only one)."""
+    return ingress_policy(meta, store_selector, [{"from": [run_pods(cfg)], "ports": tcp_ports(port)}])
+
+
+def run_network_policy(cfg: OrchConfig, pods: dict[str, str], meta: dict[str, Any],
+                       extra_rules: tuple[dict[str, Any], ...] = ()) -> dict[str, Any]:
+    """Ingress to the run's pods selected by ``pods`` from the run's own pods, on any port (the ports torch
+    and Ray listen on are picked at run time), and whatever ``extra_rules`` admit (KubeRay's, for rayjob)."""
+    return ingress_policy(meta, pods, [{"from": [run_pods(cfg)]}, *extra_rules])

@@ -89,7 +89,7 @@ def store_pod_template(cfg: OrchConfig, restart_policy: str | None = None) -> di
         "securityContext": container_security_context(),
         "volumeMounts": scratch_mounts(),
     }
-    if cfg.k8s.run_secret:
+    if run_secret_env(cfg):  # the default; k8s.run_secret='' is the one way to an ungated store
         container["env"] = run_secret_env(cfg)
     return {"metadata": template_metadata(cfg, COMPONENT), "spec": base_pod_spec(cfg, [container], restart_policy)}
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from orchestrator.config.schema import OrchConfig
-from orchestrator.k8s.job import COMPONENT, require_runnable
+from orchestrator.k8s.job import COMPONENT, require_runnable, trainer_policy
 from orchestrator.k8s.jobset import NODE_JOB, jobset_spec
 from orchestrator.k8s.names import object_name
 from orchestrator.k8s.pods import metadata
@@ -27,7 +27,8 @@ ANCESTOR_LABEL = f"{API_GROUP}/trainjob-ancestor-step"  # marks the replicated j
 
 
 def render_trainjob(cfg: OrchConfig, overrides: Sequence[str]) -> list[dict[str, Any]]:
-    """The store's NetworkPolicy, the ClusterTrainingRuntime (cluster-scoped) and the TrainJob."""
+    """The store's and the training pods' NetworkPolicies, the ClusterTrainingRuntime (cluster-scoped) and the
+    TrainJob."""
     require_runnable(cfg)
     name, nodes = object_name(cfg), cfg.cluster.max_nodes
     runtime_meta = metadata(cfg, name, COMPONENT, namespaced=False)
@@ -45,4 +46,4 @@ def render_trainjob(cfg: OrchConfig, overrides: Sequence[str]) -> list[dict[str,
         "spec": {"runtimeRef": {"apiGroup": API_GROUP, "kind": RUNTIME_KIND, "name": name},
                  "trainer": {"numNodes": nodes}},
     }
-    return [store_policy(cfg), runtime, trainjob]
+    return [store_policy(cfg), trainer_policy(cfg), runtime, trainjob]
