@@ -4,10 +4,11 @@
 plus ``step``, ``format_version``, ``created_t`` and a caller-supplied JSON ``metadata`` dict, and (optional, so
 older manifests still parse) the payload ``format`` (``torch`` or ``safetensors``), the ``run_id`` that wrote it
 and its ``lineage``: the run ids it descends from, oldest first, ending with its own, and ``resumed_from``
-(``{"run_id", "step"}`` of the checkpoint its run resumed from, or null). Retention reads the lineage. A directory
-without a parseable manifest is not a checkpoint (a writer died before committing). A checkpoint is *valid*
-when every listed file exists with the listed size; checksums are checked when payloads are read, because
-reading every byte just to list checkpoints would be too slow on an object store.
+(``{"run_id", "step"}`` of the checkpoint its run resumed from, or null). Retention reads ``run_id``: a run
+deletes only the steps it wrote. A directory without a parseable manifest is not a checkpoint (a writer died
+before committing). A checkpoint is *valid* when every listed file exists with the listed size; checksums are
+checked when payloads are read, because reading every byte just to list checkpoints would be too slow on an
+object store.
 """
 
 from __future__ import annotations
