@@ -2,6 +2,10 @@
 
 Without one (a single process that never called ``init_process_group``) the world is this process alone, and
 each collective is what it would return in a world of one: the object itself, the tensor unchanged.
+
+Objects travel as :mod:`orchestrator.ft.wire` bytes (tensors in safetensors, the rest as JSON), never as
+pickles: torch's ``all_gather_object`` unpickles whatever arrives over the process group's connections, which
+are not authenticated (docs/security.md).
 """
 
 from __future__ import annotations
@@ -17,22 +21,54 @@ def grouped() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _device() -> torch.device:
+    """Where a collective's tensors must be: NCCL's on this rank's GPU, gloo's on the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _to_tensor(obj: Any, device: torch.device) -> torch.Tensor:
+    from orchestrator.ft.wire import encode
+
+    return torch.frombuffer(bytearray(encode(obj)), dtype=torch.uint8).to(device)
+
+
+def _from_tensor(data: torch.Tensor) -> Any:
+    from orchestrator.ft.wire import decode
+
+    return decode(data.cpu().numpy().tobytes())
+
+
 def all_gather_object(obj: Any, world_size: int) -> list[Any]:
-    """Every rank's ``obj``, indexed by rank."""
+    """Every rank's ``obj``, indexed by rank (dicts, lists, tuples, numbers, strings, None and tensors)."""
     if not grouped():
         return [obj]
-    gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, obj)
-    return gathered
+    device = _device()
+    data = _to_tensor(obj, device)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world_size)]
+    dist.all_gather(sizes, size)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    gathered = [torch.zeros_like(padded) for _ in range(world_size)]
+    dist.all_gather(gathered, padded)
+    return [_from_tensor(g[:int(s.item())]) for g, s in zip(gathered, sizes)]
 
 
 def broadcast_object(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank."""
+    """Rank 0's ``obj`` on every rank (what :func:`all_gather_object` can carry)."""
     if not grouped():
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    device = _device()
+    data = _to_tensor(obj, device) if dist.get_rank() == 0 else torch.zeros(0, dtype=torch.uint8, device=device)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    if dist.get_rank() != 0:
+        data = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=0)
+    return _from_tensor(data)
 
 
 def all_reduce(tensor: torch.Tensor, op: Any = None) -> torch.Tensor:
