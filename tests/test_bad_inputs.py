@@ -1,8 +1,9 @@
-"""Every bad input of issue #14 exits 2 with one line (key, value, fix) and leaves nothing behind; and
+"""Every bad input of issues #14 and #23 exits 2 with one line (key, value, fix) and leaves nothing behind; and
 docs/reliability.md's table holds exactly the message each one gets.
 
-Each case runs the real CLI entry (``orchestrator.cli.main``) in this process, in an empty working directory.
-``python tests/test_bad_inputs.py`` prints the table rows for the docs.
+Each case runs the real CLI entry (``orchestrator.cli.main``) in this process, in an empty working directory;
+the cases of issue #23 also run as the ``orch`` command in a process of its own (slow). ``python
+tests/test_bad_inputs.py`` prints the table rows for the docs.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import os
 import re
 import socket
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,7 +89,33 @@ CASES = [
     Case("empty entrypoint.script", (*LAUNCH, "entrypoint.script=")),
     Case("empty checkpoint.url", (*LAUNCH, "checkpoint.url=")),
     Case("run dir of a live run", (*LAUNCH,), _live_lease),
+    # issue #23: hosts, numbers, names, the k8s output directory and credentials in rendered URLs
+    Case("store host that is no address", (*LAUNCH, "rendezvous.host=999.1.1.1")),
+    Case("empty store host", (*LAUNCH, "rendezvous.host=")),
+    Case("store host that does not resolve", (*LAUNCH, "rendezvous.host=no-such-host.invalid")),
+    Case("store host of another machine", (*LAUNCH, "rendezvous.host=192.0.2.1")),
+    Case("empty Ray address", (*LAUNCH, "cluster.address=")),
+    Case("Ray address that is no address", (*LAUNCH, "cluster.address=999.1.1.1:6379")),
+    Case("metadata endpoint without a host", (*LAUNCH, "preemption.aws_endpoint=http://")),
+    Case("learning rate that is not a number", (*LAUNCH, "optim.lr=abc")),
+    Case("negative learning rate", (*LAUNCH, "optim.lr=-0.1")),
+    Case("infinite learning rate", (*LAUNCH, "optim.lr=inf")),
+    Case("warmup steps that are not a number", (*LAUNCH, "scheduler.warmup_steps=abc")),
+    Case("optimizer that refuses its arguments", (*LAUNCH, "optim=sgd", "optim.momentum=0", "+optim.nesterov=true")),
+    Case("max_steps beyond 2^63", (*LAUNCH, "trainer.max_steps=99999999999999999999999")),
+    Case("join timeout of 300 years", (*LAUNCH, "rendezvous.join_timeout_s=9999999999")),
+    Case("run.id with a path", (*LAUNCH, "run.id=../evil")),
+    Case("run.id with capitals", (*LAUNCH, "run.id=Exp_1")),
+    Case("preset name with a path", (*LAUNCH, "preset=../x")),
+    Case("k8s render -o unwritable", ("k8s", "render", "conf=cpu_gloo", "checkpoint.url=s3://b/x", "-o", "/proc/nope")),
+    Case("k8s render credential in checkpoint.url", ("k8s", "render", "conf=cpu_gloo",
+                                                     "checkpoint.url=s3://AKIAEXAMPLE:hunter2hunter2@bucket/x", "-o", "TMP/out")),
+    Case("k8s render credential in k8s.env", ("k8s", "render", "conf=cpu_gloo", "checkpoint.url=s3://b/x",
+                                              "+k8s.env.DB_URL=postgres://user:hunter3@h/db", "-o", "TMP/out")),
 ]
+ISSUE_23 = [c for c in CASES if c.name == "store host that is no address" or CASES.index(c) > CASES.index(
+    next(c for c in CASES if c.name == "store host that is no address"))]
+CREDENTIALS = ("hunter2hunter2", "hunter3")  # the passwords of the two credential cases: never printed
 
 
 def run_case(case: Case, tmp: Path, capsys) -> tuple[int, str, str]:
@@ -126,6 +154,32 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(case, tmp_path, caps
     after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     setup_files = {p for p in after if p in before} | {Path("file"), Path("rd"), Path("ckpt")}
     assert [p for p in after if not any(p == s or s in p.parents for s in setup_files)] == [], "something was written"
+
+
+def orch_command() -> list[str]:
+    """The installed ``orch`` script beside this interpreter, or the same entry point as a module."""
+    script = Path(sys.executable).with_name("orch")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "orchestrator.cli"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ISSUE_23, ids=[c.name for c in ISSUE_23])
+def test_the_orch_command_exits_2_with_one_line_and_no_traceback(case, tmp_path):
+    """As a user meets it: the ``orch`` command in a process of its own, nothing left in its directory."""
+    argv = [a.replace("TMP", str(tmp_path)) for a in case.argv]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([*orch_command(), *argv], cwd=tmp_path, capture_output=True, text=True, timeout=100, env=env)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stdout == "" and "Traceback" not in done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("orch: error: ") and "Fix:" in done.stderr, done.stderr
+    overrides = [a.lstrip("+").split("=", 1)[0] for a in argv if "=" in a]
+    key = "-o" if "/proc/nope" in argv else overrides[-1]  # the bad one is the last override of every case
+    # the key, or its group where the optimizer refuses the combination (optim='torch.optim.SGD' refuses ...)
+    assert done.stderr.startswith((f"orch: error: {key}=", f"orch: error: {key.split('.')[0]}=")), done.stderr
+    assert not any(secret in done.stderr for secret in CREDENTIALS)
+    assert list(tmp_path.iterdir()) == [], "something was written"
+    assert not Path("/proc/nope").exists()
 
 
 def documented() -> dict[str, str]:

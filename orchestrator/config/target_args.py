@@ -101,12 +101,16 @@ def _hints(obj: Any) -> dict[str, Any]:
         return {}
 
 
+# How the step runs, not what it computes: they depend on the device (a CPU tensor here, CUDA in the run).
+EXECUTION_FLAGS = ("fused", "foreach", "capturable", "differentiable")
+
+
 def _construct_optimizer(target: str, cls: Any, kwargs: dict[str, Any]) -> None:
     """torch's optimizers check their own arguments in ``__init__`` (``nesterov`` needs momentum, ...)."""
     import torch
 
     try:
-        cls([torch.zeros(1, requires_grad=True)], **kwargs)
+        cls([torch.zeros(1, requires_grad=True)], **{k: v for k, v in kwargs.items() if k not in EXECUTION_FLAGS})
     except (ValueError, TypeError, RuntimeError) as exc:
         raise ConfigError("optim", target, "change the optim.* argument it names (see conf/optim/ and the "
                           "torch.optim documentation)", f"refuses its arguments ({str(exc).splitlines()[0]})") from None

@@ -71,7 +71,9 @@ def check_url_host(key: str, url: Any, schemes: tuple[str, ...], fix: str) -> No
     parts = urlsplit(url)
     if parts.scheme not in schemes:
         raise ConfigError(key, url, fix, "has an unknown scheme" if parts.scheme else "has no scheme")
-    check_host(key, url, fix, host=parts.hostname or "")
+    if not parts.hostname:
+        raise ConfigError(key, url, fix, "has no host")
+    check_host(key, url, fix, host=parts.hostname)
     try:
         port = parts.port
     except ValueError:

@@ -1,6 +1,6 @@
 """Find a run again and say where it stands: ``orch status [RUN]``.
 
-RUN is a run dir (a path), a run id (``cpu_gloo-20261130151151-6b4ba4``) or a name under ``runs/`` (``cpu_gloo/
+RUN is a run dir (a path), a run id (``cpu-gloo-20261130151151-6b4ba4``) or a name under ``runs/`` (``cpu_gloo/
 20261130-151151-1a2b``). A run's state comes from its own files: ``run_finished`` in ``events.jsonl`` says how
 it ended; before that it is ``starting`` or ``running`` while its supervising process (``launch.json``) is alive,
 or its Ray job runs, and ``stale`` once that is gone without an end recorded.
