@@ -232,3 +232,34 @@ def test_second_launch_on_a_live_checkpoint_url_exits_2_naming_the_first(tmp_pat
         assert not (tmp_path / "second").exists()
     finally:
         stop_tree(first.pid)
+
+
+def test_exclusive_create_is_atomic_on_local_disk_and_s3(url):
+    from orchestrator.checkpoint import CheckpointStorage
+
+    storage = CheckpointStorage(url)
+    storage.makedirs()
+    assert storage.atomic_create  # a hard link locally, If-None-Match: * on S3 (moto's server honours it)
+    assert storage.create_exclusive("x.json", b"first")
+    assert not storage.create_exclusive("x.json", b"second")
+    assert storage.read_bytes("x.json") == b"first" and sorted(storage.list_files("")) == ["x.json"]
+
+
+def test_run_leases_cover_every_checkpoint_url_a_run_writes(tmp_path):
+    from orchestrator.checkpoint.lease import LeaseFollower
+    from orchestrator.config.compose import compose_config
+    from orchestrator.preflight import run_leases
+
+    def leases(*overrides):
+        cfg = compose_config("cpu_gloo", [f"run.dir={tmp_path / 'run'}", *overrides])
+        return [(type(lease).__name__, lease.setting, lease.url) for lease in run_leases(cfg, "r").leases]
+
+    run = str(tmp_path / "run")
+    assert leases() == [("Lease", "run.dir", run), ("Lease", "checkpoint.url", f"{run}/checkpoints")]  # the default
+    assert leases(f"checkpoint.url={tmp_path / 'ck'}")[1] == ("Lease", "checkpoint.url", str(tmp_path / "ck"))
+    assert leases(f"checkpoint.url={run}") == [("Lease", "run.dir", run)]  # one root, one lease
+    assert leases("cluster.nnodes=1", "checkpoint.url=memory://ck") == [("Lease", "run.dir", run)]
+    pod = ["rendezvous.external=true", "rendezvous.port=29400", "run.id=r", "checkpoint.url=s3://b/ck"]
+    assert leases("cluster.node_index=1", *pod) == [(LeaseFollower.__name__, "checkpoint.url", "s3://b/ck")]
+    node0 = run_leases(compose_config("cpu_gloo", [f"run.dir={run}", "cluster.node_index=0", *pod]), "r", "s").leases
+    assert [(lease.shared, lease.secret) for lease in node0] == [(True, "s"), (True, "s")]

@@ -122,26 +122,41 @@ class Lease:
             raise self._refusal(record)
 
     def acquire(self) -> None:
-        """Take the lease: ConfigError when another live run holds it, or wins a take at the same moment."""
+        """Take the lease: ConfigError when another live run holds it, or wins a take at the same moment. A
+        ``shared`` lease held live under this run id by a process this one cannot prove to be of its run (a
+        replacement of node 0 without the run's secret) is waited for, up to ``timeout_s``: the old holder's
+        lease goes stale by then unless it still renews it."""
+        give_up = time.monotonic() + (self.timeout_s + 1.0 if self.shared else 0.0)
+        while True:
+            blocker = self._take()
+            if blocker is None:
+                return
+            if not (self.shared and blocker.run_id == self.run_id) or time.monotonic() >= give_up:
+                raise self._refusal(blocker)
+            time.sleep(1.0)
+
+    def _take(self) -> Optional[LeaseRecord]:
+        """One try: None when the lease is ours now, else the live record that holds it."""
         for _ in range(_TAKE_ATTEMPTS):
             gen, record = self.files.current()
             if record is not None and record.token == self.token:
                 self.gen, self.held = gen, True
-                return
+                return None
             if record is not None and not self._may_take(record):
-                raise self._refusal(record)
+                return record
             mine = (gen or 0) + 1
             if not self.files.create(mine, self._record()):
                 continue  # another taker created that generation first: judge the new one
             if self._won(mine, gen, record):
                 self.gen, self.held = mine, True
                 self._clear_below(mine)
-                return
+                return None
             self.files.remove(mine)  # the generation judged was replaced meanwhile: withdraw, judge again
-        _, record = self.files.current()
-        raise self._refusal(record) if record else ConfigError(
-            self.setting, self.url, "launch again; if this repeats, check that nothing else writes lease files there",
-            "could not be leased: other launches kept taking it at the same moment")
+        record = self.files.current()[1]
+        if record is None:
+            raise ConfigError(self.setting, self.url, "launch again; if this repeats, check that nothing else writes "
+                              "lease files there", "could not be leased: other launches kept taking it at the same moment")
+        return record
 
     def renew(self) -> bool:
         """Heartbeat; False (and no longer held) when the lease is not ours any more: a higher generation

@@ -224,9 +224,9 @@ def test_a_pod_with_a_stolen_run_id_cannot_take_verify_or_delete_the_runs_lease(
     node0 = Lease(root, "job-r", 60.0, "checkpoint.url", shared=True, secret=SECRET)
     node0.acquire()
     for secret in (None, "a-guess"):
-        thief = Lease(root, "job-r", 60.0, "checkpoint.url", shared=True, secret=secret)
+        thief = Lease(root, "job-r", 1.0, "checkpoint.url", shared=True, secret=secret)
         with pytest.raises(ConfigError, match="cannot prove it belongs to that run"):
-            thief.acquire()
+            thief.acquire()  # it waits out its own timeout (node 0's lease might have been going stale): in vain
         thief.release()  # nothing of its own to remove, and nothing else
         with pytest.raises(ConfigError, match="has no live lease of run job-r: .*proof"):
             LeaseFollower(root, "job-r", 5.0, "checkpoint.url", secret).acquire()
@@ -264,7 +264,8 @@ def test_second_launches_against_a_live_run_exit_2_and_touch_nothing(tmp_path):
         ckpt = first_dir / "checkpoints"
         leases_before = {p.name: p.read_text() for p in ckpt.glob(".orch-lease.*")}
         assert len(leases_before) == 1, "the default checkpoint dir is leased"
-        pod = ["rendezvous.external=true", f"rendezvous.port={free_port()}", f"run.id={run_id}"]
+        pod = ["rendezvous.external=true", f"rendezvous.port={free_port()}", f"run.id={run_id}",
+               "run.lease_timeout_s=2"]  # how long a pod waits for the live lease to go stale: in vain
         attempts = {
             "checkpoint.url": ([], "is in use by live run live-run-1"),
             "node 0 pod": (["cluster.node_index=0", *pod], "cannot prove it belongs to that run"),
