@@ -182,6 +182,19 @@ def test_the_orch_command_exits_2_with_one_line_and_no_traceback(case, tmp_path)
     assert not Path("/proc/nope").exists()
 
 
+@pytest.mark.parametrize("check, value", [("run_id", "cpu-gloo-1\n"), ("host", "localhost\n"), ("dns", "team-a\n")])
+def test_a_trailing_newline_is_no_way_past_a_name_check(check, value):
+    """``$`` in a pattern matches before a final newline: the name checks match the whole value."""
+    from orchestrator.config.k8s_checks import check_dns_name
+    from orchestrator.config.values import check_host, check_run_id
+    from orchestrator.errors import ConfigError
+
+    run = {"run_id": lambda: check_run_id(value), "host": lambda: check_host("rendezvous.host", value, "fix"),
+           "dns": lambda: check_dns_name("k8s.queue", value)}[check]
+    with pytest.raises(ConfigError):
+        run()
+
+
 def documented() -> dict[str, str]:
     rows = {}
     for line in DOC.read_text().splitlines():

@@ -35,7 +35,8 @@ def _require(key: str, value: Any, ok: bool, fix: str, problem: str = "is invali
 
 
 def _match(pattern: str, value: Any) -> bool:
-    return isinstance(value, str) and re.match(pattern, value) is not None
+    # fullmatch: ``$`` alone would let a trailing newline through (``re.match("^a$", "a\\n")`` matches)
+    return isinstance(value, str) and re.fullmatch(pattern, value) is not None
 
 
 def check_dns_name(key: str, value: Any) -> None:

@@ -533,14 +533,14 @@ class K8sConfig:
         _require("k8s.image", self.image, bool(self.image), "give the image with orch installed, e.g. k8s.image=orch:latest")
         _one_of("k8s.image_pull_policy", self.image_pull_policy, PULL_POLICIES)
         if self.name is not None:
-            _require("k8s.name", self.name, len(self.name) <= 40 and re.match(DNS_LABEL, self.name) is not None
+            _require("k8s.name", self.name, len(self.name) <= 40 and re.fullmatch(DNS_LABEL, self.name) is not None
                      and self.name[0].isalpha(), "use at most 40 lower-case letters, digits and '-', starting with a "
                      "letter and ending alphanumeric")
         for key in ("cpu", "memory", "shm_size"):
             value = getattr(self, key)
             if value is not None:
                 setattr(self, key, str(value))
-                _require(f"k8s.{key}", value, re.match(QUANTITY, str(value)) is not None,
+                _require(f"k8s.{key}", value, re.fullmatch(QUANTITY, str(value)) is not None,
                          "use a Kubernetes quantity, e.g. 4, 500m, 16Gi, or null for the default")
         _require("k8s.backoff_limit", self.backoff_limit, self.backoff_limit >= 0, "use 0 or more")
         _require("k8s.termination_grace_margin_s", self.termination_grace_margin_s,
@@ -714,7 +714,7 @@ class OrchConfig:
 
     def __post_init__(self) -> None:
         # The preset's name is a directory of runs/, the start of generated run ids and a Kubernetes label value.
-        _require("preset", self.preset, isinstance(self.preset, str) and re.match(LABEL_VALUE, self.preset) is not None
+        _require("preset", self.preset, isinstance(self.preset, str) and re.fullmatch(LABEL_VALUE, self.preset) is not None
                  and 0 < len(self.preset) <= 63, "name the preset with at most 63 letters, digits, '-', '_' and '.', "
                  "starting and ending with a letter or digit (it names the directory runs/<preset>/)")
         _one_of("launcher", self.launcher, LAUNCHERS)

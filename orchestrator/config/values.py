@@ -28,7 +28,7 @@ RAY_SCHEMES = ("ray", "http", "https")
 
 def check_run_id(value: Any) -> None:
     """``run.id``: ``None`` (a fresh one per launch) or a DNS-1123 label (see ``RUN_ID``)."""
-    if value is not None and not (isinstance(value, str) and RUN_ID.match(value)):
+    if value is not None and not (isinstance(value, str) and RUN_ID.fullmatch(value)):
         raise ConfigError("run.id", value, RUN_ID_FIX)
 
 
@@ -50,7 +50,7 @@ def host_problem(host: Any) -> str | None:
     except ValueError:
         pass
     labels = host.removesuffix(".").split(".")
-    if len(host) > 253 or not all(len(label) <= 63 and HOST_LABEL.match(label) for label in labels):
+    if len(host) > 253 or not all(len(label) <= 63 and HOST_LABEL.fullmatch(label) for label in labels):
         return "is not an IP address or host name"
     if labels[-1].isdigit():
         return "is not a valid IP address"
