@@ -225,9 +225,11 @@ def launch_config(cfg: OrchConfig, *, dry_run: bool = False, echo: Optional[Text
         cause = summary.get("root_cause") or {}
         who = f"rank {cause['rank']} (node {cause.get('node')})" if cause.get("rank") is not None else (
             f"node {cause.get('node')}" if cause else "unknown")
-        reason = f"{summary['failure_reason']}; " if summary.get("failure_reason") else ""
-        error = RunFailed(f"run {status}: {reason}root cause {who}: {cause.get('error', 'no error recorded')} "
-                          f"(run dir: {cfg.run.dir})")
+        reason = summary.get("failure_reason")
+        blame = f"root cause {who}: {cause.get('error', 'no error recorded')}"
+        # With no failing rank, the controller's own account (a lost lease, a spent budget) is the whole story.
+        detail = blame if not reason else f"{reason}; {blame}" if cause else reason
+        error = RunFailed(f"run {status}: {detail} (run dir: {cfg.run.dir})")
     error.result = result  # type: ignore[attr-defined]
     raise error
 
