@@ -189,10 +189,9 @@ def test_a_cut_off_node_whose_agent_gave_up_gets_a_fresh_agent_once_healed(testc
     from orchestrator.rundir import EventLog
     from orchestrator.testcluster.watch import ClusterWatch
 
-    store = RendezvousStore(testcluster.store_address)
+    store = RendezvousStore(testcluster.store_address, secret="test-cluster-secret")
     events, t0 = EventLog(tmp_path), time.time()
-    watch = ClusterWatch(testcluster.state, str(tmp_path), "rid", events, RendezvousConfig(), since=t0,
-                         store_address=store.local_address)
+    watch = ClusterWatch(testcluster.state, str(tmp_path), "rid", events, RendezvousConfig(), since=t0, store=store)
 
     def tick():
         watch._next_poll = 0.0
