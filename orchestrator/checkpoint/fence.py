@@ -42,8 +42,8 @@ class LeaseFence:
             return self.lost
         verdict = judge(self.files.current()[1], self.run_id, self.secret, time.time())
         if verdict is not None:
-            verdict = Verdict(f"the lease on {self.url} is not this run's ({self.run_id}): {verdict.reason}",
-                              verdict.lost_to)
+            why = f"the lease on {self.url} is not a live lease of this run ({self.run_id}): {verdict.reason}"
+            verdict = Verdict(why, verdict.lost_to)
             if verdict.lost_to is not None:
                 self.lost = verdict
         return verdict

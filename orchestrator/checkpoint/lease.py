@@ -154,8 +154,9 @@ class Lease:
             self.files.remove(mine)  # the generation judged was replaced meanwhile: withdraw, judge again
         record = self.files.current()[1]
         if record is None:
-            raise ConfigError(self.setting, self.url, "launch again; if this repeats, check that nothing else writes "
-                              "lease files there", "could not be leased: other launches kept taking it at the same moment")
+            raise ConfigError(self.setting, self.url,
+                              "launch again; if this repeats, check that nothing else writes lease files there",
+                              "could not be leased: other launches kept taking it at the same moment")
         return record
 
     def renew(self) -> bool:

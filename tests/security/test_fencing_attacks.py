@@ -161,8 +161,9 @@ except ConfigError as e:
 
 
 def in_new_pid_namespace(*argv: str) -> list[str]:
-    """``argv`` as PID 1 of a new PID namespace with its own /proc (same host name, same kernel)."""
-    return ["unshare", "--pid", "--fork", "--mount-proc", *argv]
+    """``argv`` as PID 1 of a new PID namespace with its own /proc (same host name, same kernel); ending the
+    ``unshare`` process ends it too."""
+    return ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", *argv]
 
 
 @pytest.fixture
