@@ -204,6 +204,8 @@ class CheckpointManager:
         if self._failure is not None:
             step, err = self._failure
             self._failure = None
+            if isinstance(err, CheckpointFenced):
+                raise err  # its own message: the save was refused, not failed
             raise CheckpointError(
                 f"background checkpoint save of step {step} to {self.url} failed: {type(err).__name__}: {err}. "
                 f"Fix: {_WRITE_FIX}"
@@ -218,7 +220,8 @@ class CheckpointManager:
         try:
             self._write(step, cpu_state, metadata, is_async=True, stall_s=stall_s)
         except Exception as e:  # noqa: BLE001 - kept for the next save()/wait() to raise, never dropped
-            self._failure = (step, e.__cause__ if isinstance(e, CheckpointError) and e.__cause__ else e)
+            unwrap = isinstance(e, CheckpointError) and e.__cause__ and not isinstance(e, CheckpointFenced)
+            self._failure = (step, e.__cause__ if unwrap else e)
 
     def _write(
         self, step: int, cpu_state: dict, metadata: dict, *, is_async: bool,

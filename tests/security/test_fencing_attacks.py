@@ -395,3 +395,16 @@ def test_a_launch_resuming_from_copied_checkpoints_keeps_the_copies(tmp_path):
     loaded = [e for e in read_jsonl(tmp_path / "b" / "events.jsonl") if e["event"] == "checkpoint_loaded"]
     assert loaded and loaded[0]["step"] == 6
     assert sorted(p.name for p in copied.glob("step_*")) == [step_dirname(s) for s in (2, 4, 6, 10)]
+
+
+def test_a_background_save_refused_by_the_fence_is_reported_as_refused(tmp_path):
+    url = str(tmp_path / "ckpt")
+    Lease(url, "run-a", 60.0, "checkpoint.url").acquire()
+    manager = CheckpointManager(url, async_save=True, run_id="run-a", fence=reason_of(LeaseFence(url, "run-a")))
+    manager.save(1, state(1))
+    manager.wait()
+    steal(url)
+    manager.save(2, state(2))  # the copy to CPU returns; the write is refused in the background
+    with pytest.raises(CheckpointFenced, match="step 2 .* refused, nothing committed: .* held by run thief"):
+        manager.wait()
+    assert manager.storage.list_steps() == [1]
