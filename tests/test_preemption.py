@@ -136,9 +136,17 @@ def test_hard_kill_without_notice_loses_at_most_every_n_steps(tmp_path):
     assert sum(c - 1 for c in counts.values()) == s["goodput"]["lost_steps"]
 
 
+SECRET = "scale-up-test-secret"
+
+
 def start_agent(node, log: Path) -> subprocess.Popen:
-    """One node's torchrun agent exactly as the plan has it (its argv and its env), outside any launcher."""
-    return subprocess.Popen(node.launch_argv(), env=orch_env(node.env), stdout=log.open("w"),
+    """One node's torchrun agent as the controller starts it (the plan's argv and env, torchrun behind orch's
+    agent module with the run's secret), outside any launcher."""
+    from orchestrator.rendezvous.agent import MODULE
+
+    argv = node.launch_argv()
+    argv = [argv[0], "-m", MODULE, *argv[3:]]
+    return subprocess.Popen(argv, env=orch_env({**node.env, "ORCH_RUN_SECRET": SECRET}), stdout=log.open("w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -151,6 +159,7 @@ def test_a_scale_up_restart_is_no_notice(tmp_path):
     from orchestrator.config.compose import compose_config
     from orchestrator.launch import write_config
     from orchestrator.plan.plan import build_plan
+    from orchestrator.preflight import run_leases
     from orchestrator.processes import terminate_tree
     from orchestrator.rendezvous import RendezvousStore
 
@@ -158,7 +167,8 @@ def test_a_scale_up_restart_is_no_notice(tmp_path):
     cfg = compose_config("cpu_elastic", ["launcher=local", "cluster.nnodes=2:3", "trainer.max_steps=100000",
                                          "checkpoint.every_n_steps=5", f"run.dir={run_dir}"])
     write_config(cfg, str(run_dir))
-    store = RendezvousStore("127.0.0.1", 0)
+    leases = run_leases(cfg, "scale-up", SECRET).acquire()  # as a launcher holds them: the workers' saves check
+    store = RendezvousStore("127.0.0.1", 0, secret=SECRET)
     plan = build_plan(cfg, str(run_dir), "scale-up", store_port=store.port)
     agents: dict[int, subprocess.Popen] = {}
 
@@ -192,3 +202,4 @@ def test_a_scale_up_restart_is_no_notice(tmp_path):
         for proc in agents.values():
             terminate_tree(proc.pid, grace_s=10)
         store.close()
+        leases.release()

@@ -61,10 +61,11 @@ def start_agent(store, run_id: str, script: Path, out: Path, logs: Path, name: s
     from orchestrator.rendezvous.args import rendezvous_argv, rendezvous_env
 
     cfg = compose_config("cpu_elastic", ["launcher=local"])
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2:3", "--nproc-per-node=1",
+    argv = [sys.executable, "-m", "orchestrator.rendezvous.agent", "--nnodes=2:3", "--nproc-per-node=1",
             *rendezvous_argv(cfg, f"127.0.0.1:{store.port}", run_id), "--max-restarts=3", "--monitor-interval=0.5",
             str(script), str(out)]
-    env = {**os.environ, **rendezvous_env(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **rendezvous_env(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "ORCH_RUN_SECRET": store.secret}
     return subprocess.Popen(argv, env=env, stdout=(logs / f"{name}.log").open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
@@ -98,7 +99,7 @@ def test_survivors_rejoin_at_once_when_the_joiner_of_a_complete_round_dies(tmp_p
     out.mkdir()
     logs.mkdir()
     steps = out / "steps.jsonl"
-    store = RendezvousStore()
+    store = RendezvousStore(secret="recovery-test-secret")
     client = store.client()
     agents: list[subprocess.Popen] = []
     try:
@@ -107,7 +108,7 @@ def test_survivors_rejoin_at_once_when_the_joiner_of_a_complete_round_dies(tmp_p
 
         joiner = start_agent(store, "recovery", script, out, logs, "joiner")
         agents.append(joiner)
-        wait_for(lambda: in_complete_round(client, "recovery", joiner.pid) and has_workers(joiner.pid), 90,
+        wait_for(lambda: in_complete_round(client, "recovery", joiner.pid, store.secret) and has_workers(joiner.pid), 90,
                  "a round of three with the joiner's workers starting", interval=0.02)
         kill_tree(joiner.pid)
         killed_t = time.time()
