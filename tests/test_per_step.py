@@ -132,7 +132,7 @@ def test_wire_round_trips_a_training_state_without_pickle():
     import pickle
     import random
 
-    from orchestrator.ft.wire import WireError, decode, encode
+    from orchestrator.checkpoint.wire import WireError, decode, encode
 
     model = torch.nn.Linear(4, 3)
     optim = torch.optim.AdamW(model.parameters())

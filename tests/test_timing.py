@@ -129,7 +129,7 @@ def test_the_trainer_reports_its_start_up_before_the_first_step(tmp_path, monkey
     from orchestrator.elastic import Session
     from orchestrator.rundir import EventLog
     from orchestrator.runtime.distributed import DistContext
-    from orchestrator.runtime.trainer import Trainer
+    from orchestrator.trainer.trainer import Trainer
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     cfg = compose_config("cpu_gloo", ["trainer.max_steps=2", "trainer.log_every=1", "preemption.sources=[]",
@@ -164,7 +164,7 @@ def test_trainer_compile_compiles_the_ddp_wrapped_model_and_trains(tmp_path, mon
     from orchestrator.elastic import Session
     from orchestrator.rundir import read_jsonl
     from orchestrator.runtime.distributed import DistContext
-    from orchestrator.runtime.trainer import Trainer
+    from orchestrator.trainer.trainer import Trainer
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     cfg = compose_config("cpu_gloo", ["trainer.max_steps=3", "trainer.log_every=1", "preemption.sources=[]",

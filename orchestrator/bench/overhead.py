@@ -51,7 +51,7 @@ def run_plain(cfg, steps: int, log_every: int, workdir: Path) -> dict[str, float
     out = workdir / "plain.json"
     model = {k: v for k, v in cfg.model.items() if k != "_target_"}
     data = {k: v for k, v in cfg.data.dataset.items() if k != "_target_"}
-    from orchestrator.runtime.trainer import DDP_PARAMS
+    from orchestrator.trainer.trainer import DDP_PARAMS
 
     buffers_flag = "forward_sync_buffers" if "forward_sync_buffers" in DDP_PARAMS else "broadcast_buffers"
     ddp = {"static_graph": cfg.ddp.static_graph, "find_unused_parameters": cfg.ddp.find_unused_parameters,

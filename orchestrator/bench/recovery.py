@@ -104,7 +104,7 @@ def _bare_torchrun(run_dir: Path, kill_at_step: int, timeout_s: float, nodes: in
             argv = (sys.executable, "-m", "torch.distributed.run", f"--nnodes={cfg.cluster.min_nodes}:{cfg.cluster.max_nodes}",
                     "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                     "--rdzv-id=bench-recovery", f"--max-restarts={cfg.cluster.max_restarts}",
-                    "-m", "orchestrator.runtime.train", "--config", str(run_dir / CONFIG_FILE))
+                    "-m", "orchestrator.trainer.train", "--config", str(run_dir / CONFIG_FILE))
             agents[node] = NodeProcess(node, argv, node_env(cfg, node, str(run_dir), "bench-recovery"),
                                        run_dir / "logs" / f"node{node}.log", echo=None)
             if node == 0:  # node 0 hosts the store: let it bind the port before node 1 looks for it

@@ -10,9 +10,9 @@ old payloads. Either way a writer killed at any point leaves the old set of chec
 most one directory or set of files that every reader ignores; a failed save removes its partial files.
 
 Payloads are ``torch.save`` files (``format="torch"``) or, with ``format="safetensors"``, per payload a
-safetensors file of its tensors and a JSON file of the rest (:func:`orchestrator.ft.wire.split`): read back
-without any unpickling. Manifests carry the writer's run id and lineage; retention deletes only checkpoints its
-own run wrote (see :meth:`CheckpointManager._prune`). A ``fence`` (orchestrator/checkpoint/fence.py) is asked
+safetensors file of its tensors and a JSON file of the rest (:func:`orchestrator.checkpoint.wire.split`): read
+back without any unpickling. Manifests carry the writer's run id and lineage; retention deletes only checkpoints
+its own run wrote (see :meth:`CheckpointManager._prune`). A ``fence`` (orchestrator/checkpoint/fence.py) is asked
 before a save writes anything and again right before its commit; a save it refuses commits nothing.
 """
 
@@ -292,7 +292,7 @@ class CheckpointManager:
         if self.format == "safetensors":
             from safetensors.torch import save as st_save
 
-            from orchestrator.ft.wire import split
+            from .wire import split
 
             skeleton, tensors = split(obj)
             return [("safetensors", st_save(tensors)), ("json", json.dumps(skeleton, separators=(",", ":")).encode())]
@@ -558,7 +558,7 @@ def _deserialize(fmt: str, files: dict[str, bytes]) -> Any:
     if fmt == "safetensors":
         from safetensors.torch import load as st_load
 
-        from orchestrator.ft.wire import join
+        from .wire import join
 
         return join(json.loads(files["json"]), st_load(files["safetensors"]))
     return torch.load(io.BytesIO(files["pt"]), weights_only=True, map_location="cpu")

@@ -50,7 +50,7 @@ def _check_per_step(cfg: OrchConfig) -> None:
     """fault_tolerance.mode=per_step needs torchft, a Lighthouse the launcher hosts, and data drawn step by step."""
     if cfg.fault_tolerance.mode != "per_step":
         return
-    from orchestrator.ft import torchft_problem
+    from orchestrator.config.extras import torchft_problem
 
     problem = torchft_problem()
     if problem:

@@ -24,8 +24,8 @@ The contract is in docs/user-scripts.md.
 from orchestrator.elastic.entry import init
 from orchestrator.elastic.preemption import PreemptedExit
 from orchestrator.elastic.session import Session
-from orchestrator.elastic.state import Progress, Stateful
 from orchestrator.preemption import PREEMPTED_EXIT_CODE
 from orchestrator.runtime.sampler import GlobalBatchSampler
+from orchestrator.runtime.state import Progress, Stateful
 
 __all__ = ["init", "Session", "GlobalBatchSampler", "PreemptedExit", "PREEMPTED_EXIT_CODE", "Progress", "Stateful"]

@@ -23,9 +23,9 @@ from orchestrator.checkpoint.fence import fence_from_env
 from orchestrator.checkpoint.interval import PROBE_STEPS, IntervalPolicy
 from orchestrator.config.schema import CheckpointConfig
 from orchestrator.elastic import collectives
-from orchestrator.elastic.state import RNG_PAYLOAD, TrainingState, rng_state
 from orchestrator.rundir import EventName
 from orchestrator.runtime.distributed import DistContext
+from orchestrator.runtime.state import RNG_PAYLOAD, RankRngStates, TrainingState, rng_state
 
 Emit = Callable[..., Any]
 
@@ -106,7 +106,8 @@ class SessionCheckpoints:
                 metadata = {"config_fingerprint": combined, "config_fingerprint_keys": self.fingerprint}
             metadata.update({"world_size": self.ctx.world_size, "reason": reason, "step": progress.step,
                              "samples_consumed": progress.samples_consumed, "epoch": progress.epoch})
-            payloads = {**self.state.payloads(self.ctx.world_size), RNG_PAYLOAD: {"per_rank": rngs}}
+            rng = RankRngStates(self.device, per_rank=rngs)
+            payloads = self.state.state_dict(self.ctx.world_size, {RNG_PAYLOAD: rng})
             stall_s = self.manager.save(progress.step, payloads, metadata)
         self.last_saved_step = progress.step
         return stall_s
@@ -174,7 +175,8 @@ class SessionCheckpoints:
         loaded = loaded if self.ctx.is_main else self.manager.load(step)
         self.state.check(loaded.state, step)
         self._warn_changed(loaded.metadata, step)
-        self.state.load(loaded.state, step, self.ctx.rank, self.seed, self.device)
+        rng = RankRngStates(self.device, self.ctx.rank, self.seed, self.state.progress)
+        self.state.load_state_dict(loaded.state, {RNG_PAYLOAD: rng})
         self.last_saved_step = step
         self.emit(EventName.CHECKPOINT_LOADED, step=step, world_size=self.ctx.world_size,
                   saved_world_size=loaded.metadata.get("world_size"), restore_s=time.perf_counter() - started)

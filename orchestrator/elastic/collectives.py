@@ -3,9 +3,9 @@
 Without one (a single process that never called ``init_process_group``) the world is this process alone, and
 each collective is what it would return in a world of one: the object itself, the tensor unchanged.
 
-Objects travel as :mod:`orchestrator.ft.wire` bytes (tensors in safetensors, the rest as JSON), never as
-pickles: torch's ``all_gather_object`` unpickles whatever arrives over the process group's connections, which
-are not authenticated (docs/security.md).
+Objects travel as :mod:`orchestrator.checkpoint.wire` bytes (tensors in safetensors, the rest as JSON), never
+as pickles: torch's ``all_gather_object`` unpickles whatever arrives over the process group's connections,
+which are not authenticated (docs/security.md).
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ def _device() -> torch.device:
 
 
 def _to_tensor(obj: Any, device: torch.device) -> torch.Tensor:
-    from orchestrator.ft.wire import encode
+    from orchestrator.checkpoint.wire import encode
 
     return torch.frombuffer(bytearray(encode(obj)), dtype=torch.uint8).to(device)
 
 
 def _from_tensor(data: torch.Tensor) -> Any:
-    from orchestrator.ft.wire import decode
+    from orchestrator.checkpoint.wire import decode
 
     return decode(data.cpu().numpy().tobytes())
 

@@ -12,7 +12,7 @@ from orchestrator.config.compose import load_run_config
 from orchestrator.config.schema import BackendConfig, OrchConfig
 from orchestrator.elastic import collectives
 from orchestrator.elastic.session import Session, report_failure
-from orchestrator.rundir import CONFIG_FILE, EventLog, EventName
+from orchestrator.rundir import CONFIG_FILE, EventLog
 from orchestrator.runtime.distributed import DistContext, init_process_group
 from orchestrator.runtime.timing import StartupTimes
 
@@ -31,7 +31,8 @@ def init(config: Union[str, os.PathLike, OrchConfig, None] = None, *, run_dir: O
     needs); False never does. ``options``: :class:`Session`'s keyword options (``max_steps``, ``checkpoint_url``,
     ``every_n_steps``, ...), which override the config.
 
-    Rank 0 records ``rendezvous_complete`` (and ``restart`` when torchrun restarted the workers). A failure
+    Rank 0 records ``rendezvous_complete`` (and ``restart`` when torchrun restarted the workers; the
+    fault-tolerance mode says what, :meth:`~orchestrator.ft.steps.StepProtocol.record_start`). A failure
     here is recorded as ``worker_failed`` like one in the training loop. Use the session as a context manager
     (``with elastic.init() as session:``), which finishes it, or reports the failure, on the way out.
     """
@@ -49,17 +50,8 @@ def init(config: Union[str, os.PathLike, OrchConfig, None] = None, *, run_dir: O
         owns = _join(process_group, session, cfg)
         session.owns_process_group = owns
         startup.mark("process_group")
-        if session.per_step and ctx.rank == 0 and events is not None:
-            # A replica group's own one-node round: the job's world is the quorum's (quorum_changed), and the
-            # job's attempts are not cut by a group joining.
-            events.emit(EventName.REPLICA_STARTED, node=ctx.node, world_size=ctx.world_size,
-                        restart_count=ctx.restart_count)
-        elif ctx.is_main and events is not None:
-            events.emit(EventName.RENDEZVOUS_COMPLETE, world_size=ctx.world_size, restart_count=ctx.restart_count,
-                        nnodes=ctx.world_size // ctx.local_world_size)
-            if ctx.restart_count:
-                events.emit(EventName.RESTART, restart_count=ctx.restart_count, world_size=ctx.world_size,
-                            reason="workers restarted by the torchrun agent")
+        if events is not None:
+            session.ft.record_start(events.emit, ctx)  # the round this worker joined
         return session
     except BaseException as exc:
         if not isinstance(exc, SystemExit) or exc.code:

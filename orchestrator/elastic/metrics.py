@@ -35,6 +35,8 @@ class MetricsLog:
         self.ctx, self.device, self.timer, self.trackers = ctx, device, timer, trackers
         self.max_steps, self.log_every = max_steps, log_every
         self.last_loss: Optional[float] = None
+        self.window_loaded = False
+        """The open window came from elsewhere (:meth:`load_window_state`): keep it rather than start afresh."""
         self.start()
 
     def start(self) -> None:
@@ -42,14 +44,15 @@ class MetricsLog:
         self.window_start, self.window_steps, self.window_samples = time.perf_counter(), 0, 0
 
     def window_state(self) -> dict[str, Any]:
-        """The open window, in wall time (per_step: a healing group takes it over from its peer, so the run's
-        records stay contiguous when the leader changes to a group that was not there at the last record)."""
+        """The open window, in wall time (a group that heals from a peer takes it over, so the run's records stay
+        contiguous when their writer changes to a worker that was not there at the last record)."""
         return {"start_t": time.time() - (time.perf_counter() - self.window_start), "steps": self.window_steps,
                 "samples": self.window_samples}
 
     def load_window_state(self, state: dict[str, Any]) -> None:
         self.window_start = time.perf_counter() - (time.time() - state["start_t"])
         self.window_steps, self.window_samples = state["steps"], state["samples"]
+        self.window_loaded = True
 
     def due(self, step: int) -> bool:
         return step % self.log_every == 0 or step == self.max_steps
@@ -97,7 +100,7 @@ class MetricsLog:
             record["timing"] = with_other(timing, record["step_time_s"])
         if known.get("grad_scale") is not None:
             record["grad_scale"] = known["grad_scale"]
-        if known.get("ft") is not None:  # per_step: quorum, healing and discarded seconds within the window
+        if known.get("ft") is not None:  # the fault-tolerance mode's seconds within the window (quorums, healing)
             record["ft"] = known["ft"]
         record.update(extra)
         if self.path is not None:

@@ -27,12 +27,13 @@ from orchestrator.checkpoint import CheckpointError
 from orchestrator.config.schema import PreemptionConfig
 from orchestrator.elastic import collectives
 from orchestrator.elastic.checkpoints import SessionCheckpoints
-from orchestrator.elastic.state import Progress
+from orchestrator.ft.steps import RestartSteps, StepProtocol
 from orchestrator.preemption import (PREEMPTED_EXIT_CODE, AgentNotices, PreemptionWatcher, build_sources,
                                      sigterm_notice_mode)
 from orchestrator.preemption.notices import SIGTERM_SOURCE
 from orchestrator.rundir import EventName
 from orchestrator.runtime.distributed import DistContext
+from orchestrator.runtime.state import Progress
 
 # How long the ranks whose agent has not restarted them yet wait for its SIGTERM once another rank got its own:
 # an agent sees a joining node on its next monitor tick (0.5 s in orch's plan), later on a busy machine.
@@ -52,14 +53,15 @@ class PreemptedExit(SystemExit):
 class PreemptionResponse:
     """Owns the notice watcher of one worker and the step-boundary agreement (:meth:`check`).
 
-    ``checkpoints`` None: nothing to save, a notice only makes every rank leave with 75 at the boundary."""
+    ``checkpoints`` None: nothing to save, a notice only makes every rank leave with 75 at the boundary.
+    ``ft``: the fault-tolerance mode's step protocol (default restart's), asked whether peers hold the state."""
 
     def __init__(self, cfg: PreemptionConfig, ctx: DistContext, run_dir: Optional[str], device: torch.device,
                  progress: Progress, checkpoints: Optional[SessionCheckpoints], emit: Callable[..., Any],
-                 peers_hold_state: Callable[[], bool] = lambda: False):
+                 ft: Optional[StepProtocol] = None):
         self.cfg, self.ctx, self.device, self.progress = cfg, ctx, device, progress
         self.checkpoints, self.emit = checkpoints, emit
-        self.peers_hold_state = peers_hold_state  # per_step: other replica groups go on with the state
+        self.ft = ft if ft is not None else RestartSteps()
         sources = [s for s in cfg.sources if run_dir is not None or s not in RUN_DIR_SOURCES]
         # One poller per node is enough (local rank 0); every rank handles SIGTERM, which hits them all, and reads
         # the agent's notice file at start-up (a notice given between rounds, before this worker existed).
@@ -104,13 +106,11 @@ class PreemptionResponse:
 
     def _save_and_leave(self, notice_t: float) -> None:
         step, start = self.progress.step, time.time()
-        if self.peers_hold_state():
-            # per_step: the peers hold the state; this group leaves at the boundary with nothing to save (a
-            # periodic save it was writing as the leader is let commit first).
+        if self.ft.peers_hold_state():
+            # The peers go on with the state: this node leaves at the boundary with nothing to save (a periodic
+            # save it was writing as the leader is let commit first).
             self._commit_save_in_flight()
-            if self.ctx.rank == 0:
-                self.emit(EventName.REPLICA_LEFT, node=self.ctx.node, step=step,
-                                since_notice_s=time.time() - notice_t)
+            self.ft.left(step, notice_t)
         elif self.checkpoints is not None:
             if self.ctx.is_main:
                 remaining = self.cfg.grace_period_s - (start - notice_t)

@@ -12,7 +12,7 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, replace
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
@@ -22,15 +22,12 @@ from orchestrator.elastic.checkpoints import SessionCheckpoints, hash_settings
 from orchestrator.elastic.heartbeat import Heartbeat
 from orchestrator.elastic.metrics import MetricsLog
 from orchestrator.elastic.preemption import PreemptedExit, PreemptionResponse
-from orchestrator.elastic.state import Progress, TrainingState, params_sha256
-from orchestrator.ft import QUORUM_ENV
+from orchestrator.ft.steps import StepProtocol, step_protocol
 from orchestrator.rundir import EventLog, EventName
 from orchestrator.runtime.distributed import DistContext, select_device
 from orchestrator.runtime.sampler import GlobalBatchSampler
+from orchestrator.runtime.state import Progress, Record, TrainingState, params_sha256
 from orchestrator.runtime.timing import NullStepTimer, StartupTimes, latest_over_ranks, timer_for
-
-if TYPE_CHECKING:
-    from orchestrator.ft.replica import ReplicaGroup
 
 
 class Session:
@@ -52,7 +49,8 @@ class Session:
     - ``startup``: the worker's start-up times so far (rank 0 reports them as ``worker_started``).
 
     A Session joins no process group itself (collectives go over the default group if there is one, and are
-    a world of one otherwise): :func:`orchestrator.elastic.init` joins it.
+    a world of one otherwise): :func:`orchestrator.elastic.init` joins it. Its ``ft`` is the fault-tolerance
+    mode's step protocol (:mod:`orchestrator.ft.steps`), called at the same points whatever the mode.
     """
 
     def __init__(self, cfg: Optional[OrchConfig] = None, ctx: Optional[DistContext] = None,
@@ -100,11 +98,8 @@ class Session:
         self._step_start = time.perf_counter()
         self._result: Optional[dict[str, Any]] = None
         self.owns_process_group = False  # set by init(): the session then destroys it on exit
-        # fault_tolerance.mode=per_step under orch's launcher (it hosts the quorum service): this node is a replica
-        # group of its own, joined at register() (the process group must exist first).
-        self.per_step = (cfg is not None and cfg.fault_tolerance.mode == "per_step"
-                         and bool(os.environ.get(QUORUM_ENV)))
-        self.replica: Optional["ReplicaGroup"] = None
+        self.ft: StepProtocol = step_protocol(cfg, self.ctx, self.device)
+        """The fault-tolerance mode's step protocol; attached to the state at register()."""
 
     # -- who and where ----------------------------------------------------------------------------------------
     @property
@@ -143,25 +138,17 @@ class Session:
             self.events.emit(event, **fields)
 
     def _emit_main(self, event: str, **fields: Any) -> None:
-        """The run's records come from one worker (per_step: rank 0 of the quorum's leading group, which can
-        change from step to step)."""
+        """The run's records come from one worker: rank 0 of the leading group (``ctx.is_main``; the mode may
+        move the lead from step to step)."""
         if self.ctx.is_main:
             self._emit(event, **fields)
 
-    def _emit_group(self, event: str, **fields: Any) -> None:
-        """A replica group's own events (per_step: healed, discarded, left) come from its rank 0."""
-        if self.ctx.rank == 0:
-            self._emit(event, **fields)
-
-    def _modules(self) -> list[torch.nn.Module]:
-        return [m for m in self.state.components.values() if isinstance(m, torch.nn.Module)]
-
     def sync_gradients(self) -> None:
-        """Average the gradients over every replica group now (``fault_tolerance.mode=per_step``), e.g. before
-        clipping them without a grad scaler; otherwise a no-op (DDP averaged them in the backward pass). A
-        registered optimizer's ``step()`` and grad scaler's ``unscale_()`` call it for you."""
-        if self.replica is not None:
-            self.replica.sync_gradients(self._modules())
+        """Average the gradients now over what the process group does not span (the other replica groups, in
+        a mode where each node is one), e.g. before clipping them without a grad scaler; otherwise a no-op (DDP
+        averaged them in the backward pass). A registered optimizer's ``step()`` and grad scaler's
+        ``unscale_()`` call it for you."""
+        self.ft.sync_gradients()
 
     # -- before the first step --------------------------------------------------------------------------------
     def register(self, states: Optional[Mapping[str, Any]] = None, **named: Any) -> None:
@@ -174,12 +161,8 @@ class Session:
                                "every state before session.restore() (or before iterating session.steps())")
         self.state.register({**(states or {}), **named})
         self.startup.mark("model")
-        if self.per_step and self.replica is None:
-            from orchestrator.ft.replica import ReplicaGroup, wrap_for_commit  # torchft: an optional extra
-
-            self.replica = ReplicaGroup(self.cfg, self.ctx, self.device, self.state, self._emit_group,
-                                        records=(self.metrics.window_state, self.metrics.load_window_state))
-            wrap_for_commit(self.state, self.replica)
+        self.ft = self.ft.attach(self.state, self._emit, Record(self.metrics.window_state,
+                                                               self.metrics.load_window_state))
         self._watch()
 
     def _watch(self) -> None:
@@ -190,8 +173,7 @@ class Session:
             self.heartbeat = Heartbeat(self.run_dir, self.ctx, self.cfg.hang.heartbeat_interval_s)
         if self.preemption is None:
             self.preemption = PreemptionResponse(self._preemption_cfg, self.ctx, self.run_dir, self.device,
-                                                 self.progress, self.checkpoints, self._emit,
-                                                 peers_hold_state=self._peers_hold_state)
+                                                 self.progress, self.checkpoints, self._emit, ft=self.ft)
 
     def fingerprint(self, settings: Mapping[str, Any]) -> None:
         """Keep a short hash of each of these settings (values that change the math but not the shapes: learning
@@ -206,39 +188,19 @@ class Session:
         step it holds, the number of steps already done (0: a fresh start). Every rank calls it."""
         if not self._restored:
             self._watch()
-            if self.replica is not None and self._heal_from_peer():
-                pass  # a live replica group had the state: storage is not read
-            elif self.checkpoints is not None:
-                self.checkpoints.restore()
-                if self.replica is not None and self.progress.step > 0:
-                    self.replica.resume_at(self.progress.step)
+            if not self.ft.heal():  # a live peer had the state: storage is not read
+                if self.checkpoints is not None:
+                    self.checkpoints.restore()
+                self.ft.restored(self.progress.step)
             self._restored = True
             self.startup.mark("restore")
             self._start_window()
         return self.progress.step
 
     def _start_window(self) -> None:
-        """Metrics windows start now, unless a peer handed this group the run's open window (per_step heal)."""
-        if self.replica is None or not self.replica.took_window:
+        """Metrics windows start now, unless a peer handed this worker the run's open window with its state."""
+        if not self.metrics.window_loaded:
             self.metrics.start()
-
-    def _heal_from_peer(self) -> bool:
-        """per_step: join the first quorum; a group that is behind a live peer loads its state there."""
-        self.replica.begin_step()
-        healed = self.replica.healed_from
-        return healed is not None and healed["step"] > 0
-
-    def _peers_hold_state(self) -> bool:
-        """per_step: other replica groups are in this step's quorum, so a noticed group leaves without saving."""
-        return self.replica is not None and self.replica.participants > 1
-
-    def _membership(self) -> tuple[int, int, int]:
-        """per_step: (world size, rank, data position) of the coming step, from its quorum."""
-        groups, group_rank = self.replica.membership()
-        size = self.ctx.world_size  # ranks per replica group
-        # A group that sits this step out (no participating rank) draws rank 0's samples; its gradients are
-        # zeroed by the all-reduce and its step counts for nothing.
-        return groups * size, (group_rank or 0) * size + self.ctx.rank, self.progress.samples_consumed
 
     def global_batch_sampler(self, dataset_len: int, global_batch: int, micro_batch: int, *,
                              seed: Optional[int] = None, drop_last: bool = True) -> GlobalBatchSampler:
@@ -251,7 +213,7 @@ class Session:
         self.sampler = GlobalBatchSampler(dataset_len, global_batch, micro_batch, self.world_size, self.rank,
                                           seed=self.seed if seed is None else seed,
                                           start_sample=self.progress.samples_consumed, drop_last=drop_last,
-                                          membership=self._membership if self.replica is not None else None)
+                                          membership=self.ft.membership())
         return self.sampler
 
     def steps(self) -> Iterator[int]:
@@ -260,16 +222,15 @@ class Session:
         self.restore()
         self._start()
         while self.progress.step < self.max_steps:
-            if self.replica is not None:
-                self.replica.begin_step()  # may heal: the step to train is known after the quorum
-                if self.progress.step >= self.max_steps:
-                    break
+            self.ft.begin_step()  # may heal: the step to train is known after it
+            if self.progress.step >= self.max_steps:
+                break
             step = self.progress.step + 1
             self._step_start = time.perf_counter()
             self.timer.mark()
             yield step
-            if self.replica is not None and self.progress.step == step - 1 and self._discarded:
-                continue  # a discarded step is trained again, with the same samples, in the next quorum
+            if self._discarded and self.progress.step == step - 1:
+                continue  # a discarded step is trained again, with the same samples
             if self.progress.step != step:
                 raise RuntimeError(f"session.steps() yielded step {step} but session.step_done() was called "
                                    f"{self.progress.step - step + 1} times for it. Fix: call it once at the end of "
@@ -301,7 +262,8 @@ class Session:
             raise RuntimeError("session.step_done() before restore(): a resumed run would train its steps again. Fix: "
                                "call session.restore() before the first step, or iterate session.steps()")
         self._start(late=True)
-        if self.replica is not None and not self._commit_step():
+        self._discarded = not self.ft.end_step()
+        if self._discarded:
             return
         if samples is None:
             samples = self.sampler.G if self.sampler is not None else 0
@@ -318,9 +280,9 @@ class Session:
         if self._attempt_steps == 1 and self.is_main:  # what recovery times (MTTR) end on
             self._emit(EventName.FIRST_STEP, step=p.step, world_size=self.ctx.job_world_size,
                        restart_count=self.ctx.restart_count)
-        self.metrics.step_done(p.step, samples, time.perf_counter() - self._step_start, loss, metrics, self._fields)
-        if self.replica is not None and self.metrics.due(p.step):
-            self.replica.take_window()  # every group starts the next window at zero, the leader included
+        window = self.ft.window_rolled() if self.metrics.due(p.step) else None
+        self.metrics.step_done(p.step, samples, time.perf_counter() - self._step_start, loss, metrics,
+                               lambda: self._fields(window))
         try:
             self.preemption.check()  # raises PreemptedExit after the emergency checkpoint (watching since restore)
         except PreemptedExit:
@@ -333,34 +295,19 @@ class Session:
         self._step_start = time.perf_counter()
         self._comm_at_step_start = self.timer.comm_seconds
 
-    def _commit_step(self) -> bool:
-        """per_step: end this step's protocol; a step that did not commit everywhere is undone and redone."""
-        replica = self.replica
-        self._discarded = not replica.end_step(self._modules())
-        if self._discarded:
-            self._emit_group(EventName.STEP_DISCARDED, node=self.ctx.node, step=self.progress.step + 1,
-                             replicas=replica.participants, error=str(replica.manager.errored() or "")[:300])
-            return False
-        if replica.last_committed_participants != replica.participants:
-            self._emit_main(EventName.QUORUM_CHANGED, step=self.progress.step + 1, replicas=replica.participants,
-                            previous=replica.last_committed_participants,
-                            world_size=replica.participants * self.world_size)
-            replica.last_committed_participants = replica.participants
-        return True
-
     @property
     def committed(self) -> bool:
-        """Whether the last step counted (always, except a per_step step discarded by its quorum)."""
+        """Whether the last step counted (always, except a step the fault-tolerance mode discarded)."""
         return not self._discarded
 
-    def _fields(self) -> dict[str, Any]:
-        """``lr`` (the first registered LR scheduler's, else optimizer's) and ``grad_scale`` (an enabled scaler's)."""
+    def _fields(self, window: Optional[dict[str, float]] = None) -> dict[str, Any]:
+        """``lr`` (the first registered LR scheduler's, else optimizer's), ``grad_scale`` (an enabled scaler's)
+        and ``ft`` (the fault-tolerance mode's seconds in the window, ``window``)."""
         components = list(self.state.components.values())
         lrs = [o.get_last_lr()[0] for o in components if hasattr(o, "get_last_lr")]
         lrs += [o.param_groups[0]["lr"] for o in components if isinstance(o, torch.optim.Optimizer)]
         scales = [o.get_scale() for o in components if isinstance(o, torch.amp.GradScaler) and o.is_enabled()]
-        return {"lr": lrs[0] if lrs else None, "grad_scale": scales[0] if scales else None,
-                "ft": self.replica.take_window() if self.replica is not None else None}
+        return {"lr": lrs[0] if lrs else None, "grad_scale": scales[0] if scales else None, "ft": window}
 
     # -- the end ----------------------------------------------------------------------------------------------
     def finish(self, **fields: Any) -> dict[str, Any]:
@@ -374,8 +321,7 @@ class Session:
         self._stop_heartbeat()
         if self.checkpoints is not None:
             self.checkpoints.finish()
-        if self.replica is not None:
-            self.replica.shutdown()
+        self.ft.shutdown()
         result: dict[str, Any] = {"steps_completed": self.progress.step, "final_loss": self.metrics.last_loss}
         model = self.state.first_model()
         if model is not None:

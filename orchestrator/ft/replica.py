@@ -1,5 +1,5 @@
-"""A worker's replica group under ``fault_tolerance.mode=per_step``: its torchft Manager and the step protocol
-the session runs with it.
+"""A worker's replica group under ``fault_tolerance.mode=per_step``: its torchft Manager, and the step protocol
+(:class:`~orchestrator.ft.steps.StepProtocol`) that the session runs with it.
 
 At the top of every step the group joins the quorum (orch's quorum service in the driver, through the run's
 gate: :mod:`~orchestrator.ft.coordination`) (synchronously: a group that must heal loads
@@ -10,44 +10,80 @@ clipping, as DDP would have. The optimizer steps only if every participant finis
 (``should_commit``); otherwise the step is discarded: the registered schedulers, grad scalers, module buffers
 and RNG states go back to where the step began, and the session redoes the step, with the same samples, in
 the next quorum.
+
+The state a peer sends is the training state's one serializer (:meth:`TrainingState.state_dict
+<orchestrator.runtime.state.TrainingState.state_dict>`, as in a checkpoint) with this group's records beside
+it: the sender's RNG state, its metrics window, its quorum seconds so far and where the state came from.
 """
 
 from __future__ import annotations
 
 import os
-import random
 import time
-from dataclasses import asdict
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
 
 from orchestrator.config.schema import OrchConfig
-from orchestrator.elastic.state import TrainingState, params_sha256, rng_state, set_rng_state
 from orchestrator.ft import REPLICA_ENV
 from orchestrator.ft.coordination import install, process_group
+from orchestrator.ft.steps import Emit, Membership, RestartSteps, StepProtocol
 from orchestrator.ft.transport import PeerStateTransport
 from orchestrator.rundir import EventName
 from orchestrator.runtime.distributed import DistContext
+from orchestrator.runtime.state import (Record, RngState, Stateful, TrainingState, params_sha256, rng_state,
+                                        set_rng_state)
 
-Emit = Callable[..., Any]
 # Where a replica group's loop spends time besides committed steps (metrics records' ``ft``; goodput's badput).
 WINDOW_KEYS = ("quorum_wait_s", "healing_s", "discarded_s")
+# The records a peer sends beside the training state (no registered name starts with "_").
+SOURCE_RECORD, METRICS_RECORD, FT_RECORD, RNG_RECORD = "_source", "_metrics_window", "_ft_window", "_rng"
 
 
-class ReplicaGroup:
-    """This worker's membership in the job's quorum (one per worker; every rank of a group has one)."""
+class _ReplicaRecords:
+    """What per_step writes down the same way before and after the group is attached."""
+
+    def record_start(self, emit: Emit, ctx: DistContext) -> None:
+        """A replica group's own one-node round: the job's world is the quorum's (``quorum_changed``), and the
+        job's attempts are not cut by a group joining."""
+        if ctx.rank == 0:
+            emit(EventName.REPLICA_STARTED, node=ctx.node, world_size=ctx.world_size, restart_count=ctx.restart_count)
+
+    def sample_record(self, ctx: DistContext, start_sample: int, world_size: int, rank: int) -> tuple[str, dict]:
+        """One file per replica group's rank, with the step's data position and the rank's place in the
+        step's world: an audit recomputes what each rank had to draw."""
+        return (f"node{ctx.node}-rank{ctx.rank}",
+                {"start_sample": start_sample, "world_size": world_size, "job_rank": rank})
+
+
+class PerStepMode(_ReplicaRecords, RestartSteps):
+    """per_step before the training state is registered: nothing to coordinate yet (as in restart mode);
+    :meth:`attach` makes the :class:`ReplicaGroup` once the process group exists."""
+
+    def __init__(self, cfg: OrchConfig, ctx: DistContext, device: torch.device):
+        self.cfg, self.ctx, self.device = cfg, ctx, device
+
+    def attach(self, state: TrainingState, emit: Emit, window: Stateful) -> StepProtocol:
+        group = ReplicaGroup(self.cfg, self.ctx, self.device, state, emit, window)
+        wrap_for_commit(state, group)
+        return group
+
+
+class ReplicaGroup(_ReplicaRecords):
+    """This worker's membership in the job's quorum (one per worker; every rank of a group has one): the
+    per_step :class:`~orchestrator.ft.steps.StepProtocol`. ``emit`` writes this worker's events: the group's
+    own (healed, discarded, left) from its rank 0, the run's (``quorum_changed``) from the leader's.
+    ``window``: the open metrics window, handed to a healing group with the state."""
 
     def __init__(self, cfg: OrchConfig, ctx: DistContext, device: torch.device, state: TrainingState,
-                 emit_group: Emit, records: Optional[tuple[Callable[[], dict], Callable[[dict], None]]] = None):
+                 emit: Emit, window: Optional[Stateful] = None):
         from torchft import Manager
 
         ft = cfg.fault_tolerance
         self.ctx, self.device, self.state = ctx, device, state
-        self.emit_group = emit_group  # this group's rank 0 writes the group's own events
-        self.records = records  # (get, load) of the open metrics window, handed to a healing group
-        self.took_window = False  # this group's metrics window came from a peer: keep it (no fresh start)
+        self.emit = emit
+        self.metrics_window = window
         self.replica_id = os.environ.get(REPLICA_ENV, f"node{ctx.node}")
         self.healed_from: Optional[dict[str, Any]] = None
         self._heal_started = 0.0
@@ -74,14 +110,19 @@ class ReplicaGroup:
         self._quorum_started: Optional[float] = None  # while this group is in a quorum
         self._loaded_at: Optional[float] = None  # when this group took over a peer's state in this quorum
         self.window = dict.fromkeys(WINDOW_KEYS, 0.0)
+        self._healed_source: dict[str, Any] = {}
 
     def _refused(self, peer: str, reason: str) -> None:
         """A caller of this worker's state server without the run's secret: one event a second at most."""
         now = time.monotonic()
         if now - self._last_refusal >= 1.0:
             self._last_refusal = now
-            self.emit_group(EventName.STORE_CLIENT_REFUSED, node=self.ctx.node, peer=peer, reason=reason,
-                            port="peer state server")
+            self._emit_group(EventName.STORE_CLIENT_REFUSED, node=self.ctx.node, peer=peer, reason=reason,
+                             port="peer state server")
+
+    def _emit_group(self, event: str, **fields: Any) -> None:
+        if self.ctx.rank == 0:
+            self.emit(event, **fields)
 
     @property
     def manager(self) -> Any:
@@ -93,32 +134,42 @@ class ReplicaGroup:
         return self._manager
 
     # -- the state a peer sends and a healing group loads ---------------------------------------------------
+    def _records(self) -> dict[str, Stateful]:
+        """What a peer sends beside the training state, through the same serializer."""
+        records: dict[str, Stateful] = {RNG_RECORD: RngState(self.device),
+                                        SOURCE_RECORD: Record(self._source, self._loaded_source),
+                                        FT_RECORD: Record(self._ft_window, self._load_ft_window)}
+        if self.metrics_window is not None:  # the window since the run's last record, as the peer has it
+            records[METRICS_RECORD] = self.metrics_window
+        return records
+
     def _state_dict(self) -> dict[str, Any]:
+        return self.state.state_dict(self.ctx.world_size, self._records())
+
+    def _load(self, sd: dict[str, Any]) -> None:
+        self.state.load_state_dict(sd, self._records())
+        self._loaded_at = time.perf_counter()
         model = self.state.first_model()
-        source = {"replica_id": self.replica_id, "node": self.ctx.node,
-                  "params_sha256": params_sha256(model) if model is not None else None}
-        # The window's seconds include this quorum so far (the peer goes on counting from where it loads it).
+        self.healed_from = {**self._healed_source, "step": self.state.progress.step,
+                            "loaded_sha256": params_sha256(model) if model is not None else None}
+
+    def _source(self) -> dict[str, Any]:
+        model = self.state.first_model()
+        return {"replica_id": self.replica_id, "node": self.ctx.node,
+                "params_sha256": params_sha256(model) if model is not None else None}
+
+    def _loaded_source(self, source: dict[str, Any]) -> None:
+        self._healed_source = source
+
+    def _ft_window(self) -> dict[str, float]:
+        """The window's seconds include this quorum so far (the peer goes on counting from where it loads it)."""
         ft = dict(self.window)
         if self._quorum_started is not None:
             ft["healing_s"] += time.perf_counter() - self._quorum_started
-        return {"components": {name: obj.state_dict() for name, obj in self.state.components.items()},
-                "progress": asdict(self.state.progress), "rng": rng_state(self.device), "source": source,
-                "records": {"metrics": self.records[0]() if self.records else None, "ft": ft}}
+        return ft
 
-    def _load(self, sd: dict[str, Any]) -> None:
-        for name, obj in self.state.components.items():
-            obj.load_state_dict(sd["components"][name])
-        p = self.state.progress
-        p.step, p.samples_consumed, p.epoch = (sd["progress"][k] for k in ("step", "samples_consumed", "epoch"))
-        set_rng_state(sd["rng"], self.device)
-        if sd["records"]["metrics"] is not None and self.records:
-            self.records[1](sd["records"]["metrics"])  # the window since the run's last record, as the peer has it
-            self.took_window = True
-        self.window = {k: float(sd["records"]["ft"].get(k, 0.0)) for k in WINDOW_KEYS}  # the peer's, as it sent it
-        self._loaded_at = time.perf_counter()
-        model = self.state.first_model()
-        self.healed_from = {**sd["source"], "step": p.step,
-                            "loaded_sha256": params_sha256(model) if model is not None else None}
+    def _load_ft_window(self, ft: dict[str, Any]) -> None:
+        self.window = {k: float(ft.get(k, 0.0)) for k in WINDOW_KEYS}  # the peer's, as it sent it
 
     # -- the step protocol ----------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -146,30 +197,47 @@ class ReplicaGroup:
         self.ctx.replicas = max(1, self.participants)
         self._began, self._synced, self.committed = True, False, None
         if self.healed_from is not None and self.healed_from["step"] > 0:  # step 0: torchft's initial weight sync
-            self.emit_group(EventName.REPLICA_HEALED, node=self.ctx.node, replica_id=self.replica_id,
-                            source_replica=self.healed_from["replica_id"], source_node=self.healed_from["node"],
-                            step=self.healed_from["step"], heal_s=round(self._quorum_s, 4), checkpoint_read=False,
-                            params_sha256=self.healed_from["loaded_sha256"],
-                            source_params_sha256=self.healed_from["params_sha256"])
+            self._emit_group(EventName.REPLICA_HEALED, node=self.ctx.node, replica_id=self.replica_id,
+                             source_replica=self.healed_from["replica_id"], source_node=self.healed_from["node"],
+                             step=self.healed_from["step"], heal_s=round(self._quorum_s, 4), checkpoint_read=False,
+                             params_sha256=self.healed_from["loaded_sha256"],
+                             source_params_sha256=self.healed_from["params_sha256"])
 
-    def resume_at(self, step: int) -> None:
+    def attach(self, state: TrainingState, emit: Emit, window: Stateful) -> StepProtocol:
+        return self  # attached when made: a later register() adds to the same state
+
+    def heal(self) -> bool:
+        """Join the first quorum; a group that is behind a live peer loads its state there."""
+        self.begin_step()
+        return self.healed_from is not None and self.healed_from["step"] > 0
+
+    def restored(self, step: int) -> None:
         """After a restore from storage (no live peer had the state): the Manager counts from that step, and
         the first training step forms a fresh quorum."""
-        self.manager.load_state_dict({"step": step, "batches_committed": 0})
-        self._began = False
+        if step > 0:
+            self.manager.load_state_dict({"step": step, "batches_committed": 0})
+            self._began = False
 
-    def membership(self) -> tuple[int, Optional[int]]:
-        """(replica groups in this step's quorum, this group's rank among them or None when it sits out)."""
+    def membership(self) -> Optional[Membership]:
+        return self._membership
+
+    def _membership(self) -> tuple[int, int, int]:
+        """(world size, rank, data position) of the coming step, from its quorum. A group that sits this step
+        out (no participating rank) draws rank 0's samples; its gradients are zeroed by the all-reduce and its
+        step counts for nothing."""
         self.begin_step()
-        return self.participants, self.participating_rank
+        size = self.ctx.world_size  # ranks per replica group
+        return (self.participants * size, (self.participating_rank or 0) * size + self.ctx.rank,
+                self.state.progress.samples_consumed)
 
-    def sync_gradients(self, modules: list[torch.nn.Module]) -> None:
+    def sync_gradients(self) -> None:
         """Average the gradients across the quorum's groups, once per step (a no-op after the first call)."""
         if self._synced:
             return
         self._synced = True
         self.begin_step()
         if self._params is None:
+            modules = [m for m in self.state.components.values() if isinstance(m, torch.nn.Module)]
             self._params = [p for m in modules for p in m.parameters() if p.requires_grad]
         params = self._params
         if not params:
@@ -187,22 +255,39 @@ class ReplicaGroup:
                 p.grad.copy_(synced)
             offset += n
 
-    def commit(self, modules: list[torch.nn.Module]) -> bool:
+    def commit(self) -> bool:
         """Whether every participant finished this step (decided once; the optimizer steps only then)."""
         if self.committed is None:
-            self.sync_gradients(modules)
+            self.sync_gradients()
             self.committed = bool(self.manager.should_commit())
         return self.committed
 
-    def end_step(self, modules: list[torch.nn.Module]) -> bool:
+    def end_step(self) -> bool:
         """At the step boundary: commit if the loop did not step an optimizer; on a discarded step put the
-        registered state back as it was when the step began. Returns whether the step committed."""
-        committed = self.commit(modules)
+        registered state back as it was when the step began (``step_discarded``); a committed step with
+        another set of groups than the last one records ``quorum_changed``. Returns whether it committed."""
+        committed = self.commit()
+        step = self.state.progress.step + 1
         if not committed:
             self.window["discarded_s"] += time.perf_counter() - self._step_t0
             self._restore_snapshot()
+            self._emit_group(EventName.STEP_DISCARDED, node=self.ctx.node, step=step, replicas=self.participants,
+                             error=str(self.manager.errored() or "")[:300])
+        elif self.last_committed_participants != self.participants:
+            if self.ctx.is_main:
+                self.emit(EventName.QUORUM_CHANGED, step=step, replicas=self.participants,
+                          previous=self.last_committed_participants,
+                          world_size=self.participants * self.ctx.world_size)
+            self.last_committed_participants = self.participants
         self._began = False
         return committed
+
+    def peers_hold_state(self) -> bool:
+        """Other replica groups are in this step's quorum, so a noticed group leaves without saving."""
+        return self.participants > 1
+
+    def left(self, step: int, notice_t: float) -> None:
+        self._emit_group(EventName.REPLICA_LEFT, node=self.ctx.node, step=step, since_notice_s=time.time() - notice_t)
 
     # -- a discarded step leaves nothing behind ----------------------------------------------------------------
     def _take_snapshot(self) -> dict[str, Any]:
@@ -229,8 +314,9 @@ class ReplicaGroup:
                 obj.zero_grad(set_to_none=True)
         set_rng_state(snap["rng"], self.device)
 
-    def take_window(self) -> dict[str, float]:
-        """Seconds of this metrics window spent in quorums, healing and discarded steps (then reset)."""
+    def window_rolled(self) -> dict[str, float]:
+        """Seconds of this metrics window spent in quorums, healing and discarded steps (then reset): every
+        group starts the next window at zero, the leader included."""
         window, self.window = self.window, dict.fromkeys(WINDOW_KEYS, 0.0)
         return {k: round(v, 4) for k, v in window.items()}
 
@@ -254,13 +340,12 @@ def wrap_for_commit(state: TrainingState, group: ReplicaGroup) -> None:
     training code: ``optimizer.step()`` averages the gradients across the quorum and steps only on commit;
     ``scaler.unscale_()`` (explicit, or inside ``scaler.step``) averages them first, so every group sees the
     same inf/NaN check and clips the same gradients, as under DDP."""
-    modules = [m for m in state.components.values() if isinstance(m, torch.nn.Module)]
     for obj in state.components.values():
         if isinstance(obj, torch.optim.Optimizer):
             original_step = obj.step
 
             def step(*args: Any, _original: Callable = original_step, **kwargs: Any) -> Any:
-                if group.commit(modules):
+                if group.commit():
                     return _original(*args, **kwargs)
                 return None
 
@@ -269,7 +354,7 @@ def wrap_for_commit(state: TrainingState, group: ReplicaGroup) -> None:
             original_unscale = obj.unscale_
 
             def unscale_(optimizer: Any, _original: Callable = original_unscale) -> Any:
-                group.sync_gradients(modules)
+                group.sync_gradients()
                 return _original(optimizer)
 
             obj.unscale_ = unscale_

@@ -4,9 +4,9 @@ It replaces torchft's ``HTTPTransport``, which listens on every interface, serve
 that the receiver loads with ``weights_only=False``. This one serves through a gate of its own
 (:mod:`orchestrator.trust.gate`) on the node's address only (``ORCH_FT_ADDR``): a caller gets the state only
 after proving it holds the run's secret, the server proves it too before the caller reads a byte (so a fake
-source learns nothing and sends nothing that is read), and the bytes are :mod:`orchestrator.ft.wire` (safetensors
-+ JSON, no pickle). The source itself is the one the quorum service named (a member of the quorum the healing
-group was given), by the address that member registered.
+source learns nothing and sends nothing that is read), and the bytes are
+:mod:`orchestrator.checkpoint.wire` (safetensors + JSON, no pickle). The source itself is the one the quorum
+service named (a member of the quorum the healing group was given), by the address that member registered.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 from torchft.checkpointing.transport import CheckpointTransport
 
 from orchestrator.ft import ADDR_ENV, SECRET_ENV
-from orchestrator.ft.wire import decode, encode
+from orchestrator.checkpoint.wire import decode, encode
 from orchestrator.trust.acceptor import listening_socket
 from orchestrator.trust.frames import recv_bytes, recv_json, send_bytes, send_json
 from orchestrator.trust.gate import Gate

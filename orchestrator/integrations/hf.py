@@ -47,11 +47,12 @@ from orchestrator.elastic import collectives
 from orchestrator.elastic.metrics import flatten, progress_line
 from orchestrator.elastic.preemption import PreemptedExit, PreemptionResponse
 from orchestrator.elastic.session import open_trackers_rank0
-from orchestrator.elastic.state import Progress, params_sha256
 from orchestrator.errors import ConfigError
+from orchestrator.ft.steps import StepProtocol, step_protocol
 from orchestrator.preemption.notices import SIGTERM_SOURCE
 from orchestrator.rundir import CONFIG_FILE, METRICS_FILE, EventLog, EventName, append_jsonl
 from orchestrator.runtime.distributed import DistContext
+from orchestrator.runtime.state import Progress, params_sha256
 from orchestrator.runtime.timing import StartupTimes, latest_over_ranks
 
 RUN_DIR_ENV = "ORCH_RUN_DIR"
@@ -182,6 +183,10 @@ class OrchCallback(TrainerCallback):
         self.startup.mark("imports")
         self.exit_on_preemption = exit_on_preemption
         self.progress = Progress()
+        self.ft: StepProtocol = step_protocol(self.cfg, self.ctx, torch.device("cpu"))
+        """The fault-tolerance mode's step protocol: the round's record and, on a notice, whether peers hold the
+        state. The Trainer's own loop steps the optimizer, so only modes without step hooks are supported
+        (:func:`orch_training_args` refuses the others)."""
         self.preemption: Optional[PreemptionResponse] = None
         self.trackers = None
         self.leaving: Optional[float] = None
@@ -213,14 +218,10 @@ class OrchCallback(TrainerCallback):
         preemption_cfg = self.cfg.preemption if self.cfg is not None else PreemptionConfig()
         if self.preemption is None:
             self.preemption = _HFPreemption(preemption_cfg, self.ctx, self.run_dir, args.device, self.progress,
-                                            None, self._emit)
+                                            None, self._emit, ft=self.ft)
         self.startup.mark("model")
+        self.ft.record_start(self._emit, self.ctx)
         if self.ctx.is_main:
-            self._emit(EventName.RENDEZVOUS_COMPLETE, world_size=self.ctx.world_size,
-                       restart_count=self.ctx.restart_count, nnodes=self.ctx.world_size // self.ctx.local_world_size)
-            if self.ctx.restart_count:
-                self._emit(EventName.RESTART, restart_count=self.ctx.restart_count, world_size=self.ctx.world_size,
-                           reason="workers restarted by the torchrun agent")
             if state.global_step:
                 self._emit(EventName.CHECKPOINT_LOADED, step=state.global_step, world_size=self.ctx.world_size,
                            source="hf")

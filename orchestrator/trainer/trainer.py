@@ -60,7 +60,7 @@ class Trainer:
         self.session, self.cfg, self.ctx = session, session.cfg, session.ctx
         cfg = self.cfg
         self.device = session.device
-        self.timer = session.timer  # per-step time breakdown (runtime/timing.py)
+        self.timer = session.timer  # the time breakdown of every step (runtime/timing.py)
         seed_everything(cfg.trainer.seed)  # identical init on every rank, before DDP's broadcast makes sure
         self.raw_model = instantiate(cfg.model, _convert_="all").to(self.device)
         self.model = self._wrap(self.raw_model)
@@ -115,18 +115,11 @@ class Trainer:
         with anomaly:
             for step in session.steps():
                 loss, sample_ids = self.train_step(batches, sampler.accumulation_steps)
-                if session.replica is None:
-                    self._record_samples(step, sample_ids)
-                    session.step_done(loss=loss, samples=t.global_batch_size)
-                    continue
-                # per_step: only a committed step is part of the lineage; its position and the rank's place
-                # in the job's world let an audit recompute what each rank had to draw.
-                start, world, rank = session.samples_consumed, sampler.W, sampler.r
-                try:
-                    session.step_done(loss=loss, samples=t.global_batch_size)
-                finally:
-                    if session.step == step:
-                        self._record_samples(step, sample_ids, start_sample=start, world_size=world, job_rank=rank)
+                # Only a step that counts is part of the lineage (decided by now: the optimizer has stepped).
+                if session.ft.commit():
+                    where = session.ft.sample_record(self.ctx, session.samples_consumed, sampler.W, sampler.r)
+                    self._record_samples(step, sample_ids, where)
+                session.step_done(loss=loss, samples=t.global_batch_size)
         return session.finish()
 
     def train_step(self, batches, accumulation_steps: int) -> tuple[torch.Tensor, list[int]]:
@@ -155,12 +148,13 @@ class Trainer:
         self.timer.lap("optimizer")
         return total, sample_ids
 
-    def _record_samples(self, step: int, sample_ids: list[int], **per_step: Any) -> None:
-        """With trainer.record_sample_ids, each rank logs which samples each step trained on (for audits).
-        per_step: one file per replica group's rank (``node<N>-rank<R>``), with the step's data position."""
+    def _record_samples(self, step: int, sample_ids: list[int], where: tuple[str, dict[str, Any]]) -> None:
+        """With trainer.record_sample_ids, each rank logs which samples each step trained on (for audits), in
+        the file and with the fields the fault-tolerance mode names (``where``: ``samples/rank<R>.jsonl`` in
+        restart mode; see :meth:`~orchestrator.ft.steps.StepProtocol.sample_record`)."""
         if self.cfg.trainer.record_sample_ids and self.session.run_dir is not None:
-            name = f"node{self.ctx.node}-rank{self.ctx.rank}" if per_step else f"rank{self.ctx.rank}"
+            name, fields = where
             path = Path(self.session.run_dir) / SAMPLES_DIR / f"{name}.jsonl"
             path.parent.mkdir(exist_ok=True)
             append_jsonl(path, {"step": step, "ids": sample_ids, "world_size": self.ctx.world_size,
-                                "restart_count": self.ctx.restart_count, "t": time.time(), **per_step})
+                                "restart_count": self.ctx.restart_count, "t": time.time(), **fields})

@@ -1,9 +1,12 @@
 """A training state as bytes without pickle: tensors in a safetensors blob, everything else as JSON.
 
-torchft's own HTTP transport sends ``torch.save`` bytes and loads them with ``weights_only=False``: whoever can
-reach a recovering worker could run code in it. orch's transport sends this format instead. It holds what
-state dicts are made of (dicts with any such keys, lists, tuples, None, bool, int, float, str, tensors) and
-refuses anything else on both sides, so decoding runs no code whatever the bytes say.
+The one pickle-free codec of orch. Checkpoints in ``checkpoint.format=safetensors`` store each payload as
+:func:`split` makes it; a healing replica group receives a peer's state as :func:`encode` bytes
+(orchestrator/ft/transport.py: torchft's own HTTP transport sends ``torch.save`` bytes and loads them with
+``weights_only=False``, so whoever can reach a recovering worker could run code in it); the elastic API's
+object collectives carry them too (orchestrator/elastic/collectives.py). It holds what state dicts are made
+of (dicts with any such keys, lists, tuples, None, bool, int, float, str, tensors) and refuses anything else
+on both sides, so decoding runs no code whatever the bytes say.
 
 Layout: 8-byte little-endian length of the JSON header, the header, then the safetensors bytes.
 """

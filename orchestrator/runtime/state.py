@@ -1,12 +1,18 @@
-"""What a checkpoint holds: the registered ``Stateful`` components, the session's progress, per-rank RNG states.
+"""The training state and its one serializer: what a checkpoint holds and what a healing replica group loads.
 
-Payloads (one file each, see orchestrator/checkpoint/): one per registered component (``"model"``, ``"optim"``,
-...: its ``state_dict()``), ``"trainer"`` (the progress: step, samples consumed, epoch, and the world size it was
-saved at) and ``"rng"`` (every rank's RNG states). Rank 0's components are the job's: under DDP the model,
-optimizer, scheduler and grad scaler are identical on every rank. RNG states differ per rank: they are gathered.
-On restore at another world size, ranks that existed before get their own RNG state back and new ranks are
-seeded from (seed, rank, step); the data position is a global sample index (``GlobalBatchSampler``), so the
-data continues exactly where the job stopped.
+:class:`TrainingState` holds the registered ``Stateful`` components and the session's :class:`Progress`.
+:meth:`TrainingState.state_dict` is the one way the state becomes a dict (torchtitan's shape: one ``states``
+dict serves the checkpointer and torchft's healing alike): one entry per registered component (``"model"``,
+``"optim"``, ...: its ``state_dict()``), ``"trainer"`` (the progress: step, samples consumed, epoch, and the
+world size it was saved at), and the caller's own *records*, Stateful objects too: a checkpoint adds
+``"rng"`` (every rank's RNG states, :class:`RankRngStates`), a healing peer adds its own RNG state, its metrics
+window and where the state came from. :meth:`TrainingState.load_state_dict` reads the same dict back.
+
+In a checkpoint each entry is one payload (see orchestrator/checkpoint/). Rank 0's components are the job's:
+under DDP the model, optimizer, scheduler and grad scaler are identical on every rank. RNG states differ per
+rank: they are gathered. On restore at another world size, ranks that existed before get their own RNG state
+back and new ranks are seeded from (seed, rank, step); the data position is a global sample index
+(``GlobalBatchSampler``), so the data continues exactly where the job stopped.
 """
 
 from __future__ import annotations
@@ -15,11 +21,11 @@ import hashlib
 import random
 import re
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Mapping, Optional, Protocol, runtime_checkable
 
 import torch
 
-from orchestrator.checkpoint import CheckpointError
+from orchestrator.errors import CheckpointError
 
 PROGRESS_PAYLOAD = "trainer"  # the built-in trainer's name for it since its first checkpoints: kept so they resume
 RNG_PAYLOAD = "rng"
@@ -133,10 +139,25 @@ class TrainingState:
         """The first registered module (the one ``params_sha256`` in ``training_finished`` is computed over)."""
         return next((obj for obj in self.components.values() if isinstance(obj, torch.nn.Module)), None)
 
-    def payloads(self, world_size: int) -> dict[str, Any]:
-        """What rank 0 saves, without the RNG states (the caller gathers those)."""
+    def state_dict(self, world_size: int, records: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+        """The state as one dict: every component's ``state_dict()``, the progress (``"trainer"``, with
+        ``world_size``), and each of ``records`` (name -> Stateful: what the caller adds, e.g. ``"rng"``)."""
+        records = self._records(records)
         return {**{name: obj.state_dict() for name, obj in self.components.items()},
-                PROGRESS_PAYLOAD: {**asdict(self.progress), "world_size": world_size}}
+                PROGRESS_PAYLOAD: {**asdict(self.progress), "world_size": world_size},
+                **{name: record.state_dict() for name, record in records.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any], records: Optional[Mapping[str, Any]] = None) -> None:
+        """Load what :meth:`state_dict` made: every component, then the progress, then each of ``records`` (in
+        their order, so a record can read the progress just loaded). A checkpoint is checked first (:meth:`check`)."""
+        records = self._records(records)
+        for name, obj in self.components.items():
+            obj.load_state_dict(state[name])
+        saved = state[PROGRESS_PAYLOAD]
+        self.progress.step, self.progress.samples_consumed = saved["step"], saved["samples_consumed"]
+        self.progress.epoch = saved["epoch"]
+        for name, record in records.items():
+            record.load_state_dict(state[name])
 
     def check(self, state: dict[str, Any], step: int) -> None:
         """Refuse, before anything is loaded, a checkpoint that lacks a registered component or whose modules
@@ -150,17 +171,58 @@ class TrainingState:
             if isinstance(obj, torch.nn.Module):
                 check_model_fits(state[name], obj, step, name)
 
-    def load(self, state: dict[str, Any], step: int, rank: int, seed: int, device: torch.device) -> None:
-        """Load every component, the progress, and this rank's RNG states (``check`` first)."""
-        for name, obj in self.components.items():
-            obj.load_state_dict(state[name])
-        saved = state[PROGRESS_PAYLOAD]
-        self.progress.step, self.progress.samples_consumed = saved["step"], saved["samples_consumed"]
-        self.progress.epoch = saved["epoch"]
-        per_rank = state[RNG_PAYLOAD]["per_rank"]
-        if rank < len(per_rank):
-            set_rng_state(per_rank[rank], device)
-        else:  # a rank the checkpointed job did not have: seeded, reproducibly, from where it joins
-            random.seed(seed * 1_000_003 + rank * 7919 + step)
-            torch.manual_seed(seed * 1_000_003 + rank * 7919 + step)
+    def _records(self, records: Optional[Mapping[str, Any]]) -> Mapping[str, Any]:
+        clash = sorted(set(records or {}) & (set(self.components) | {PROGRESS_PAYLOAD}))
+        if clash:
+            raise ValueError(f"record name(s) {clash} clash with the training state's own entries")
+        return records or {}
 
+
+class Record:
+    """A Stateful made of two functions: a record that a serializer's caller adds beside the components."""
+
+    def __init__(self, get: Callable[[], Any], load: Callable[[Any], None]):
+        self.get, self.load = get, load
+
+    def state_dict(self) -> Any:
+        return self.get()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.load(state)
+
+
+class RngState:
+    """This rank's RNG states (Python's and torch's, and the CUDA device's), as a record: what a healing peer
+    sends beside the state, so that the group goes on drawing what the peer would have."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def state_dict(self) -> dict[str, Any]:
+        return rng_state(self.device)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_rng_state(state, self.device)
+
+
+class RankRngStates:
+    """A checkpoint's ``"rng"`` payload: every rank's RNG states (``per_rank``, gathered by the caller before a
+    save). Loading gives this rank its own back; a rank the checkpointed job did not have is seeded,
+    reproducibly, from (``seed``, rank, the step just loaded into ``progress``)."""
+
+    def __init__(self, device: torch.device, rank: int = 0, seed: int = 0, progress: Optional[Progress] = None,
+                 per_rank: Optional[list[Any]] = None):
+        self.device, self.rank, self.seed, self.progress = device, rank, seed, progress
+        self.per_rank = per_rank or []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"per_rank": self.per_rank}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        per_rank = state["per_rank"]
+        if self.rank < len(per_rank):
+            set_rng_state(per_rank[self.rank], self.device)
+            return
+        step = self.progress.step if self.progress is not None else 0
+        random.seed(self.seed * 1_000_003 + self.rank * 7919 + step)
+        torch.manual_seed(self.seed * 1_000_003 + self.rank * 7919 + step)
