@@ -40,11 +40,12 @@ class DistContext:
         )
 
     replicas: int = 1
-    """Replica groups training together in this step (per_step: the quorum's size; restart mode: 1)."""
+    """Replica groups training together in this step (the quorum's size in a mode that makes every node a
+    replica group; 1 otherwise). Set by the fault-tolerance mode (orchestrator/ft/steps.py)."""
     leader: bool = True
-    """Whether this worker's replica group leads the job's records (``fault_tolerance.mode=per_step``: every
-    node is a replica group with a rank 0 of its own, and the quorum's first participant writes the run's
-    metrics, events and checkpoints; restart mode: always)."""
+    """Whether this worker's replica group leads the job's records (where every node is a replica group with a
+    rank 0 of its own, the quorum's first participant writes the run's metrics, events and checkpoints;
+    otherwise always)."""
 
     @property
     def job_world_size(self) -> int:
