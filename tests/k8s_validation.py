@@ -10,6 +10,7 @@ from typing import Any, Iterator
 
 import jsonschema
 import kubernetes_validate
+import kubernetes_validate.utils
 import yaml
 
 SCHEMAS = Path(__file__).resolve().parent / "k8s_schemas"
@@ -20,6 +21,11 @@ CRD_FILES = {"PyTorchJob": "kubeflow.org_pytorchjobs.yaml", "RayJob": "ray.io_ra
 # podFailurePolicy with a DisruptionTarget rule is GA from 1.31; kubernetes-validate ships schemas up to 1.37.
 K8S_VERSIONS = ("1.31", "1.37")
 CORE_API_VERSIONS = ("v1", "apps/v1", "batch/v1", "networking.k8s.io/v1")
+
+# kubernetes-validate parses its schema files (MBs of JSON: the definitions file of each version) on every call,
+# most of a validation's time; the same files parsed once serve every call unchanged (nothing writes to them).
+if not hasattr(kubernetes_validate.utils.schema_contents, "cache_info"):
+    kubernetes_validate.utils.schema_contents = lru_cache(maxsize=None)(kubernetes_validate.utils.schema_contents)
 
 
 def strict(schema):

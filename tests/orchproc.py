@@ -27,6 +27,36 @@ def run_orch(*args: str, timeout: float = 240, env: Optional[dict[str, str]] = N
                           cwd=cwd or REPO)
 
 
+def orch_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``orch ARGS`` through the CLI's own ``main`` (what the console script calls) in this process, for a test
+    that needs the command's exit code and output but not a process of its own: returned as ``run_orch`` returns
+    them, in milliseconds instead of a fresh interpreter's seconds. A bug raises here instead of printing a
+    traceback. Output captured before the call is dropped."""
+    from orchestrator.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as exc:  # argparse: --help, --version, a usage error
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["orch", *args], code, out.out, out.err)
+
+
+def unused_pid() -> int:
+    """A PID no process of this PID namespace has now: what a process that exited leaves in a record, found
+    without starting (and waiting out) one. Searched downward from the top of the PID range."""
+    top = int(Path("/proc/sys/kernel/pid_max").read_text()) - 1
+    for pid in range(top, top - 10_000, -1):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return pid
+        except PermissionError:
+            continue
+    raise AssertionError("no unused PID near the top of the PID range")
+
+
 def start_orch(*args: str, log: Path, env: Optional[dict[str, str]] = None, cwd: Optional[Path] = None) -> subprocess.Popen:
     """Start ``orch ARGS`` in the background, output to ``log``; end it with ``stop_tree(proc.pid)``."""
     return subprocess.Popen([*ORCH, *args], stdout=log.open("w"), stderr=subprocess.STDOUT, env=orch_env(env),

@@ -1,19 +1,24 @@
 """Every bad input of issues #14 and #23 exits 2 with one line (key, value, fix) and leaves nothing behind; and
 docs/reliability.md's table holds exactly the message each one gets.
 
-Each case runs the real CLI entry (``orchestrator.cli.main``) in this process, in an empty working directory;
-the cases of issue #23 also run as the ``orch`` command in a process of its own (slow). ``python
-tests/test_bad_inputs.py`` prints the table rows for the docs.
+Each case runs the real CLI entry (``orchestrator.cli.main``) in this process, in an empty working directory,
+once per session: the per-case test and the table test both read that outcome. The cases of issue #23 also run
+as the ``orch`` command in a process of its own (slow). ``python tests/test_bad_inputs.py`` prints the table
+rows for the docs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
 import socket
 import subprocess
 import sys
+import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -118,23 +123,23 @@ ISSUE_23 = [c for c in CASES if c.name == "store host that is no address" or CAS
 CREDENTIALS = ("hunter2hunter2", "hunter3")  # the passwords of the two credential cases: never printed
 
 
-def run_case(case: Case, tmp: Path, capsys) -> tuple[int, str, str]:
+def run_case(case: Case, tmp: Path) -> tuple[int, str, str]:
     """Run ``case`` in ``tmp``; returns (exit code, stderr, stderr with tmp and port replaced by TMP and PORT)."""
     from orchestrator.cli import main
 
     held = case.setup(tmp)
     port = str(held.getsockname()[1]) if isinstance(held, socket.socket) else None
     argv = [a.replace("TMP", str(tmp)).replace("PORT", port or "PORT") for a in case.argv]
-    before = os.getcwd()
+    before, out, err_stream = os.getcwd(), io.StringIO(), io.StringIO()
     os.chdir(tmp)
     try:
-        capsys.readouterr()
-        code = main(argv)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err_stream):
+            code = main(argv)
     finally:
         os.chdir(before)
         if held is not None:
             (held.close if isinstance(held, socket.socket) else held.release)()
-    err = capsys.readouterr().err
+    err = err_stream.getvalue()
     shown = err.replace(str(tmp), "TMP")
     if port:
         shown = shown.replace(port, "PORT")
@@ -142,16 +147,49 @@ def run_case(case: Case, tmp: Path, capsys) -> tuple[int, str, str]:
     return code, err, shown
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """What one case did: its exit code, its stderr as printed and as the table shows it, and the paths in its
+    directory before and after (the live lease's run dir listed apart: the lease is released since); or the
+    traceback of what it raised instead."""
+    code: int = 0
+    err: str = ""
+    shown: str = ""
+    before: tuple[Path, ...] = ()
+    after: tuple[Path, ...] = ()
+    live_run_dir: tuple[Path, ...] = ()
+    raised: str = ""
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict[str, Outcome]:
+    """Every case, run once in a directory of its own."""
+    done = {}
+    for case in CASES:
+        tmp = tmp_path_factory.mktemp("case")
+        before = tuple(sorted(p.relative_to(tmp) for p in tmp.rglob("*")))
+        try:
+            code, err, shown = run_case(case, tmp)
+        except Exception:  # a bug: that case's test fails with it, the others still run
+            done[case.name] = Outcome(raised=traceback.format_exc())
+            continue
+        after = tuple(sorted(p.relative_to(tmp) for p in tmp.rglob("*")))
+        live = tuple((tmp / "run").iterdir()) if case.setup is _live_lease else ()
+        done[case.name] = Outcome(code, err, shown, before, after, live)
+    return done
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_bad_input_exits_2_with_one_line_and_writes_nothing(case, tmp_path, capsys):
-    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    code, err, _ = run_case(case, tmp_path, capsys)
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(case, outcomes):
+    outcome = outcomes[case.name]
+    assert not outcome.raised, outcome.raised
+    code, err = outcome.code, outcome.err
     assert code == 2, err
     assert err.count("\n") == 1 and err.startswith("orch: error: ") and "Fix:" in err, err
     if case.setup is _live_lease:  # the live run's dir keeps only its lease: no config.yaml of the refused launch
-        assert list((tmp_path / "run").iterdir()) == []  # the lease, released since; no config.yaml
+        assert outcome.live_run_dir == ()  # the lease, released since; no config.yaml
         return
-    after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    before, after = outcome.before, outcome.after
     setup_files = {p for p in after if p in before} | {Path("file"), Path("rd"), Path("ckpt")}
     assert [p for p in after if not any(p == s or s in p.parents for s in setup_files)] == [], "something was written"
 
@@ -162,14 +200,34 @@ def orch_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "orchestrator.cli"]
 
 
+COMMANDS_AT_ONCE = 3  # each is a fresh interpreter importing torch: CPU-bound, so a few at a time
+
+
+@pytest.fixture(scope="module")
+def orch_commands(tmp_path_factory):
+    """Every issue-#23 case as the ``orch`` command, each in a process and an empty directory of its own, queued
+    together when the first test asks and run a few at a time; each test waits for its own case's result
+    (argv, directory, completed process), so one test's wait overlaps the next cases' runs."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+    def run(case: Case, tmp: Path):
+        argv = [a.replace("TMP", str(tmp)) for a in case.argv]
+        return argv, tmp, subprocess.run([*orch_command(), *argv], cwd=tmp, capture_output=True, text=True,
+                                         timeout=100, env=env)
+
+    with ThreadPoolExecutor(max_workers=COMMANDS_AT_ONCE) as pool:
+        futures = {case.name: pool.submit(run, case, tmp_path_factory.mktemp("orch-command")) for case in ISSUE_23}
+        yield futures
+        for future in futures.values():  # a case whose test did not run (-k, -x): never started
+            future.cancel()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", ISSUE_23, ids=[c.name for c in ISSUE_23])
-def test_the_orch_command_exits_2_with_one_line_and_no_traceback(case, tmp_path):
+def test_the_orch_command_exits_2_with_one_line_and_no_traceback(case, orch_commands):
     """As a user meets it: the ``orch`` command in a process of its own, nothing left in its directory."""
-    argv = [a.replace("TMP", str(tmp_path)) for a in case.argv]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([*orch_command(), *argv], cwd=tmp_path, capture_output=True, text=True, timeout=100, env=env)
+    argv, tmp_path, done = orch_commands[case.name].result(timeout=110)
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert done.stdout == "" and "Traceback" not in done.stderr
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("orch: error: ") and "Fix:" in done.stderr, done.stderr
@@ -208,13 +266,11 @@ def table_row(case: Case, message: str) -> str:
     return f"| {case.name} | `` orch {' '.join(case.argv)} `` | `` {message.strip()} `` |"
 
 
-def test_reliability_table_matches_every_message(tmp_path, capsys):
+def test_reliability_table_matches_every_message(outcomes):
     rows = documented()
     stale = []
-    for i, case in enumerate(CASES):
-        tmp = tmp_path / str(i)
-        tmp.mkdir()
-        _, _, shown = run_case(case, tmp, capsys)
+    for case in CASES:
+        shown = outcomes[case.name].shown
         if rows.get(case.name) != shown.strip():
             stale.append(table_row(case, shown))
     assert not stale, "docs/reliability.md is out of date; the rows should read:\n" + "\n".join(stale)
@@ -224,20 +280,7 @@ def test_reliability_table_matches_every_message(tmp_path, capsys):
 if __name__ == "__main__":  # print the table rows for docs/reliability.md
     import tempfile
 
-    class _Capture:
-        def readouterr(self):
-            out, err = sys.stdout.getvalue(), sys.stderr.getvalue()
-            sys.stdout.seek(0), sys.stdout.truncate(), sys.stderr.seek(0), sys.stderr.truncate()
-            return type("R", (), {"out": out, "err": err})
-
-    import io
-
-    real_out = sys.stdout
     for case in CASES:
         with tempfile.TemporaryDirectory() as tmp:
-            sys.stdout, sys.stderr = io.StringIO(), io.StringIO()
-            try:
-                _, _, shown = run_case(case, Path(tmp), _Capture())
-            finally:
-                sys.stdout, sys.stderr = real_out, sys.__stderr__
+            _, _, shown = run_case(case, Path(tmp))
             print(table_row(case, shown))

@@ -1,5 +1,6 @@
 """`orch chaos` acts only on a live run's own agents: a finished run, a reused PID, another run's agent or a
-malformed nodes.json is refused with one line and exit 2, and nothing is signalled."""
+malformed nodes.json is refused with one line and exit 2, and nothing is signalled. The tests with real processes
+to signal (or to leave alone) are slow; a malformed nodes.json needs none."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from orchproc import run_orch
+from orchproc import orch_here, run_orch
 from orchestrator.rundir import EventLog
 
 pytestmark = pytest.mark.timeout(60)
@@ -43,6 +44,7 @@ def _one_line_exit_2(r):
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_a_finished_run_is_refused_and_a_reused_pid_survives(tmp_path):
     sleeper = subprocess.Popen(["sleep", "30"])
     try:
@@ -57,6 +59,7 @@ def test_a_finished_run_is_refused_and_a_reused_pid_survives(tmp_path):
         _end(sleeper)
 
 
+@pytest.mark.slow
 def test_a_live_run_whose_pid_is_not_its_agent_is_refused(tmp_path):
     sleeper = subprocess.Popen(["sleep", "30"])
     other = _fake_agent("--rdzv-id=otherrun")
@@ -75,14 +78,15 @@ def test_a_live_run_whose_pid_is_not_its_agent_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"zero": 5}', '{"0": "abc"}', '{"0": -4}'])
-def test_malformed_nodes_json_is_one_line_exit_2(tmp_path, content):
+def test_malformed_nodes_json_is_one_line_exit_2(tmp_path, capsys, content):
     _run_dir(tmp_path, [])
     (tmp_path / "nodes.json").write_text(content)
-    r = run_orch("chaos", "kill-node", str(tmp_path), "--node", "0", timeout=30)
+    r = orch_here(capsys, "chaos", "kill-node", str(tmp_path), "--node", "0")
     _one_line_exit_2(r)
     assert "nodes.json is malformed" in r.stderr
 
 
+@pytest.mark.slow
 def test_a_live_agent_of_the_run_is_killed(tmp_path):
     by_rdzv_id = _fake_agent("--rdzv-id=rid123-2", "--nnodes=1:2")
     by_env = _fake_agent("--rdzv-id=somethingelse", env={"ORCH_RUN_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"})

@@ -118,6 +118,7 @@ def test_main_doctor_json(capsys):
     assert next(d for d in data if d["name"] == "gloo")["ok"] is True
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_cli_subprocess():
     env = dict(os.environ)

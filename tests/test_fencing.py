@@ -15,7 +15,7 @@ import torch
 from orchestrator.checkpoint import CheckpointError, CheckpointManager, step_dirname
 from orchestrator.checkpoint.lease import LEGACY_LEASE_NAME, Lease, LeaseKeeper, LeaseRecord, lease_name
 from orchestrator.errors import ConfigError
-from orchproc import read_jsonl, run_orch, start_orch, stop_tree, wait_for
+from orchproc import orch_here, read_jsonl, run_orch, start_orch, stop_tree, unused_pid, wait_for
 
 
 def state(step: int) -> dict:
@@ -55,13 +55,10 @@ def test_live_lease_is_refused_naming_the_run_and_a_stale_one_is_taken_over(url)
 
 def test_lease_of_a_dead_process_of_this_kernel_and_pid_namespace_is_taken_over_at_once(tmp_path):
     import socket
-    import subprocess
-    import sys
 
     from orchestrator.checkpoint.lease_record import boot_id, pid_namespace
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    write_record(str(tmp_path), host=socket.gethostname(), pid=int(dead.stdout), pid_start_t=1.0,
+    write_record(str(tmp_path), host=socket.gethostname(), pid=unused_pid(), pid_start_t=1.0,
                  boot_id=boot_id(), pid_ns=pid_namespace())
     mine = Lease(str(tmp_path), "next-run", 60.0, "run.dir")
     mine.acquire()
@@ -183,23 +180,23 @@ def test_safetensors_checkpoint_round_trips_without_unpickling(url, monkeypatch)
         assert torch.equal(loaded.state["model"][key], tensor) and loaded.state["model"][key].dtype == tensor.dtype
 
 
-def test_ckpt_export_writes_model_weights_loadable_with_safetensors(tmp_path):
+def test_ckpt_export_writes_model_weights_loadable_with_safetensors(tmp_path, capsys):
     from safetensors.torch import load_file
 
     url = str(tmp_path / "ckpt")
     CheckpointManager(url, async_save=False).save(2, state(2))
     out = tmp_path / "model.safetensors"
-    result = run_orch("ckpt", "export", url, "--format", "safetensors", "-o", str(out), timeout=120)
+    result = orch_here(capsys, "ckpt", "export", url, "--format", "safetensors", "-o", str(out))
     assert result.returncode == 0, result.stderr
     weights = load_file(str(out))
     assert set(weights) == {"w", "b"} and torch.equal(weights["w"], torch.full((4,), 2.0))
 
 
-def test_ckpt_inspect_exits_2_for_a_checkpoint_load_skips(tmp_path):
+def test_ckpt_inspect_exits_2_for_a_checkpoint_load_skips(tmp_path, capsys):
     url = str(tmp_path / "ckpt")
     manager = CheckpointManager(url, async_save=False, format="safetensors")
     manager.save(1, state(1))
-    assert run_orch("ckpt", "inspect", url, timeout=120).returncode == 0
+    assert orch_here(capsys, "ckpt", "inspect", url).returncode == 0
     # A skeleton that parses as JSON and matches its (rewritten) checksum, but is not one orch wrote.
     stepdir = tmp_path / "ckpt" / step_dirname(1)
     (stepdir / "trainer.json").write_text('{"evil": 1}')
@@ -211,7 +208,7 @@ def test_ckpt_inspect_exits_2_for_a_checkpoint_load_skips(tmp_path):
     (stepdir / "manifest.json").write_text(json.dumps(manifest))
     with pytest.warns(RuntimeWarning, match="cannot be read back safely"):
         assert manager.load() is None  # load() skips it...
-    result = run_orch("ckpt", "inspect", url, timeout=120)
+    result = orch_here(capsys, "ckpt", "inspect", url)
     assert result.returncode == 2 and result.stderr.count("\n") == 1  # ...and inspect says so, and why
     assert "is not a valid checkpoint: payload 'trainer' cannot be read back safely" in result.stderr
 

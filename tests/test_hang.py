@@ -1,5 +1,5 @@
-"""Hang and straggler detection: the rules on synthetic heartbeats (fast), a real stopped process's stack,
-and `orch bench hang` end to end (slow)."""
+"""Hang and straggler detection: the rules on synthetic heartbeats (fast); a real stopped process's stack and
+`orch bench hang` end to end (slow)."""
 
 from __future__ import annotations
 
@@ -69,6 +69,7 @@ training_loop_stuck_here()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_stopped_workers_heartbeat_goes_silent_and_its_stack_names_where_it_was(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", HEARTBEATING, str(tmp_path)])

@@ -75,6 +75,7 @@ def events(run_dir: Path) -> list[dict]:
     return read_jsonl(run_dir / EVENTS_FILE)
 
 
+@pytest.mark.slow
 def test_import_orchestrator_does_not_import_transformers():
     code = ("import sys, orchestrator, orchestrator.elastic, orchestrator.integrations; "
             "assert 'transformers' not in sys.modules, 'transformers imported'")

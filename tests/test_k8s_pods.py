@@ -251,6 +251,7 @@ def test_pod_settings_are_checked_where_the_config_is_composed(overrides, words)
         compose_config("cpu_gloo", overrides)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_rendezvous_store_subcommand_serves_until_sigterm(tmp_path):
     port = free_port()

@@ -121,6 +121,7 @@ def plain_client(port: int) -> str:
                           timeout=40).stdout.strip()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_gated_store_process_refuses_a_plain_client_and_serves_a_relay(tmp_path):
     secret, log = "s3cr3t-" + "ab" * 16, tmp_path / "store.log"
@@ -151,6 +152,7 @@ def test_a_gated_store_process_refuses_a_plain_client_and_serves_a_relay(tmp_pat
     assert secret not in log.read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_store_process_without_the_secret_accepts_a_plain_client(tmp_path):
     log = tmp_path / "store.log"

@@ -8,13 +8,12 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from orchproc import ORCH, orch_env, read_jsonl, run_orch, stop_tree, wait_for
+from orchproc import ORCH, orch_env, read_jsonl, run_orch, stop_tree, unused_pid, wait_for
 
 SLOW = ["model._target_=testmodels.SlowMLM", "+model.delay_s=0.03"]  # 400 steps take long enough to watch
 
@@ -111,9 +110,8 @@ def test_missing_stale_and_foreign_runs_are_one_line_errors(tmp_path, capsys, mo
     code, _, err = orch(capsys, "status", str(tmp_path / "nowhere"))
     assert code == 2 and err.count("\n") == 1 and "not found" in err
 
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = tmp_path / "stale"
-    _record(stale, supervisor={"pid": int(gone.stdout), "host": os.uname().nodename, "create_time": time.time()})
+    _record(stale, supervisor={"pid": unused_pid(), "host": os.uname().nodename, "create_time": time.time()})
     (stale / "orch.log").write_text("orch: error: the embedded Ray did not start\n")
     for command in ("status", "stop"):
         code, _, err = orch(capsys, command, str(stale))

@@ -1,7 +1,7 @@
 """Notice files, and how a worker reads SIGTERM: a notice only when orch says so, torchrun restarting it otherwise.
 
-The watcher tests send a real SIGTERM to a real child process that installs the watcher as a worker does; the
-test process plays the child's torchrun agent (the child's parent), so notices go to ``node<N>-<test pid>``.
+The watcher tests (slow) send a real SIGTERM to a real child process that installs the watcher as a worker does;
+the test process plays the child's torchrun agent (the child's parent), so notices go to ``node<N>-<test pid>``.
 """
 
 from __future__ import annotations
@@ -189,6 +189,7 @@ def workers(tmp_path):
         worker.finish()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_under_orch_a_sigterm_without_notice_is_a_restart_the_worker_leaves_at_once(workers):
     worker = workers("w")
@@ -198,6 +199,7 @@ def test_under_orch_a_sigterm_without_notice_is_a_restart_the_worker_leaves_at_o
     assert RESTART_MESSAGE.decode().strip() in worker.err.read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_worker_that_agrees_at_step_boundaries_leaves_for_a_restart_at_the_next_one(workers):
     worker = workers("w", env={**FILE_MODE, "DEFER": "1", "STEP_S": "0.3"})
@@ -207,6 +209,7 @@ def test_a_worker_that_agrees_at_step_boundaries_leaves_for_a_restart_at_the_nex
     assert RESTART_MESSAGE.decode().strip() in worker.err.read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_after_a_peers_restart_a_worker_leaves_on_its_own_agents_sigterm(workers):
     worker = workers("w", env={**FILE_MODE, "DEFER": "1", "PEER_RESTART_AT": "3"})
@@ -218,6 +221,7 @@ def test_after_a_peers_restart_a_worker_leaves_on_its_own_agents_sigterm(workers
     assert RESTART_MESSAGE.decode().strip() in worker.err.read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_after_a_peers_restart_a_worker_whose_agent_stays_leaves_after_the_wait(workers):
     worker = workers("w", env={**FILE_MODE, "DEFER": "1", "PEER_RESTART_AT": "3", "WAIT_S": "1"})
@@ -225,6 +229,7 @@ def test_after_a_peers_restart_a_worker_whose_agent_stays_leaves_after_the_wait(
     assert NO_RESTART_MESSAGE.decode().strip() in worker.err.read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_under_orch_a_sigterm_announced_by_a_notice_file_is_a_notice(tmp_path, workers):
     worker = workers("w")
@@ -234,6 +239,7 @@ def test_under_orch_a_sigterm_announced_by_a_notice_file_is_a_notice(tmp_path, w
     assert worker.acted()["source"] == "sigterm"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_another_agents_notice_does_not_make_a_sigterm_a_notice(tmp_path, workers):
     worker = workers("w")
@@ -243,6 +249,7 @@ def test_another_agents_notice_does_not_make_a_sigterm_a_notice(tmp_path, worker
     assert code == RESTART_EXIT_CODE and worker.lines() == ["ready"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_bare_torchrun_worker_takes_every_sigterm_as_a_notice(workers):
     worker = workers("w", env=BARE)
@@ -250,6 +257,7 @@ def test_a_bare_torchrun_worker_takes_every_sigterm_as_a_notice(workers):
     assert code == PREEMPTED_EXIT_CODE and worker.acted()["source"] == "sigterm"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_worker_saving_on_a_notice_finishes_the_save_despite_a_restart_sigterm(workers):
     worker = workers("w", env={**FILE_MODE, "PEER_NOTICE_AT": "3"})
@@ -258,6 +266,7 @@ def test_a_worker_saving_on_a_notice_finishes_the_save_despite_a_restart_sigterm
     assert code == PREEMPTED_EXIT_CODE and worker.lines()[-1] == "saved"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("env", [FILE_MODE, BARE])
 def test_a_notice_given_between_rounds_is_acted_on_by_the_next_workers(tmp_path, workers, env):
@@ -270,6 +279,7 @@ def test_a_notice_given_between_rounds_is_acted_on_by_the_next_workers(tmp_path,
     assert acted["t"] == json.loads(notice.read_text())["t"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_polled_notice_outlives_a_restart_before_the_step_boundary(tmp_path, workers):
     """A cloud notice seen mid-step, then torchrun restarts the workers: the next ones still act on it."""

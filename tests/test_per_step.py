@@ -13,7 +13,7 @@ import torch
 from orchestrator.ft import torchft_problem
 from orchestrator.rundir import read_jsonl
 from orchestrator.runtime.sampler import GlobalBatchSampler
-from orchproc import run_orch, start_orch, stop_tree, summary, wait_for
+from orchproc import orch_here, run_orch, start_orch, stop_tree, summary, wait_for
 
 needs_torchft = pytest.mark.skipif(torchft_problem() is not None, reason=str(torchft_problem()))
 
@@ -208,15 +208,15 @@ def test_sampler_follows_the_quorum_and_redoes_a_discarded_step():
     assert sorted(drawn_per_step[2]) == sorted(next(it))  # the third step: the next slice, at any quorum size
 
 
-def test_per_step_config_errors_name_key_value_and_fix(tmp_path):
-    done = run_orch("launch", "conf=cpu_elastic", "fault_tolerance.mode=per_step", "data.num_workers=2",
-                    f"run.dir={tmp_path / 'r'}")
+def test_per_step_config_errors_name_key_value_and_fix(tmp_path, capsys):
+    done = orch_here(capsys, "launch", "conf=cpu_elastic", "fault_tolerance.mode=per_step", "data.num_workers=2",
+                     f"run.dir={tmp_path / 'r'}")
     if torchft_problem() is None:
         assert done.returncode == 2 and "data.num_workers=2" in done.stderr and "Fix:" in done.stderr
     else:
         assert done.returncode == 2 and "fault_tolerance.mode" in done.stderr and "orch[ft]" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
-    bad = run_orch("launch", "conf=cpu_elastic", "fault_tolerance.mode=sometimes", f"run.dir={tmp_path / 'r'}")
+    bad = orch_here(capsys, "launch", "conf=cpu_elastic", "fault_tolerance.mode=sometimes", f"run.dir={tmp_path / 'r'}")
     assert bad.returncode == 2 and "fault_tolerance.mode='sometimes'" in bad.stderr and "per_step" in bad.stderr
 
 
@@ -234,12 +234,12 @@ def test_per_step_plan_gives_each_node_its_own_group_and_no_secret():
 
 
 @needs_torchft
-def test_per_step_dry_run_says_when_survivors_would_wait_for_a_replacement(tmp_path):
-    fixed = run_orch("launch", "conf=cpu_elastic", "cluster.nnodes=2", "fault_tolerance.mode=per_step", "--dry-run",
-                     f"run.dir={tmp_path / 'r'}")
+def test_per_step_dry_run_says_when_survivors_would_wait_for_a_replacement(tmp_path, capsys):
+    fixed = orch_here(capsys, "launch", "conf=cpu_elastic", "cluster.nnodes=2", "fault_tolerance.mode=per_step",
+                      "--dry-run", f"run.dir={tmp_path / 'r'}")
     assert fixed.returncode == 0, fixed.stderr
     assert "MIN = MAX = 2 nodes" in fixed.stdout and "cluster.nnodes=1:2" in fixed.stdout
-    restart = run_orch("launch", "conf=cpu_elastic", "cluster.nnodes=2", "--dry-run", f"run.dir={tmp_path / 'r'}")
+    restart = orch_here(capsys, "launch", "conf=cpu_elastic", "cluster.nnodes=2", "--dry-run", f"run.dir={tmp_path / 'r'}")
     assert restart.returncode == 0 and "note:" not in restart.stdout
 
 

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_import_is_light_and_launch_stays_a_function():
     code = ("import sys, orchestrator; heavy = [m for m in ('torch', 'hydra', 'ray', 'omegaconf') if m in sys.modules];"
             "print(heavy)")
@@ -78,6 +79,7 @@ def test_a_callers_own_hydra_is_left_as_it_was(tmp_path):
     assert not GlobalHydra.instance().is_initialized()
 
 
+@pytest.mark.slow
 def test_a_hydra_main_app_can_launch(tmp_path):
     """A real ``@hydra.main`` app composes and dry-runs orch inside its task, then uses its own Hydra."""
     app = tmp_path / "app.py"

@@ -9,7 +9,7 @@ import pytest
 
 from orchestrator.cli import format_summary
 from orchestrator.report import efficiency as eff
-from orchproc import read_jsonl, run_orch, start_orch, stop_tree, summary, wait_for
+from orchproc import orch_here, read_jsonl, run_orch, start_orch, stop_tree, summary, wait_for
 
 
 def _record(t: float, step: int, step_time_s: float, world_size: int, restart_count: int = 0, **timing) -> dict:
@@ -142,11 +142,11 @@ def test_report_of_a_real_run_with_a_lost_node(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_report_of_a_bench_scaling_dir_plots_throughput_against_world_size(tmp_path):
+def test_report_of_a_bench_scaling_dir_plots_throughput_against_world_size(tmp_path, capsys):
     rows = [{"world_size": 1, "samples_per_s": 500.0, "efficiency": 1.0, "comm_fraction": 0.02},
             {"world_size": 2, "samples_per_s": 800.0, "efficiency": 0.8, "comm_fraction": 0.2}]
     (tmp_path / "scaling.json").write_text(json.dumps({"preset": "cpu_gloo", "rows": rows, "warning": None}))
-    result = run_orch("report", str(tmp_path))
+    result = orch_here(capsys, "report", str(tmp_path))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "| 2 | 800.0 | 0.80 | 0.200 |" in (tmp_path / "report.md").read_text()
     assert json.loads((tmp_path / "report.json").read_text())["kind"] == "scaling"
@@ -154,6 +154,6 @@ def test_report_of_a_bench_scaling_dir_plots_throughput_against_world_size(tmp_p
 
 
 @pytest.mark.timeout(60)
-def test_report_refuses_a_directory_that_is_not_a_run_dir(tmp_path):
-    result = run_orch("report", str(tmp_path))
+def test_report_refuses_a_directory_that_is_not_a_run_dir(tmp_path, capsys):
+    result = orch_here(capsys, "report", str(tmp_path))
     assert result.returncode == 2 and "no events.jsonl" in result.stderr

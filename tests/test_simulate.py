@@ -26,7 +26,7 @@ from orchestrator.runtime.distributed import DistContext
 from orchestrator.simulate.model import BADPUT, JobCosts, Scenario, simulate
 from orchestrator.simulate.scenario import per_step_costs
 from orchestrator.simulate.trace import Interruptions, read_trace, write_trace
-from orchproc import preempt_midrun, run_orch
+from orchproc import orch_here, preempt_midrun, run_orch
 
 COSTS = JobCosts(step_s=1.0, stall_s=2.0, emergency_save_s=3.0, launch={"launch_s": 10.0, "worker_start_s": 5.0},
                  recovery={"failure": {"rendezvous_s": 4.0, "worker_start_s": 6.0, "restore_s": 1.0},
@@ -104,12 +104,12 @@ def test_per_step_mode_loses_only_the_step_in_flight_and_never_restarts():
 
 
 @pytest.mark.timeout(60)
-def test_llama3_scale_in_seconds_with_every_badput_category(tmp_path):
+def test_llama3_scale_in_seconds_with_every_badput_category(tmp_path, capsys):
     out = tmp_path / "llama3.json"
     started = time.monotonic()
-    done = run_orch("simulate", "--nodes", "16384", "--days", "54", "--interruptions", "466", "--notice-fraction",
-                    "0.1", "--step-s", "10", "--ckpt-stall-s", "30", "--rendezvous-s", "120", "--worker-start-s",
-                    "300", "--restore-s", "120", f"--out={out}", timeout=60)
+    done = orch_here(capsys, "simulate", "--nodes", "16384", "--days", "54", "--interruptions", "466",
+                     "--notice-fraction", "0.1", "--step-s", "10", "--ckpt-stall-s", "30", "--rendezvous-s", "120",
+                     "--worker-start-s", "300", "--restore-s", "120", f"--out={out}")
     assert done.returncode == 0, done.stderr
     data = json.loads(out.read_text())
     assert time.monotonic() - started < 60

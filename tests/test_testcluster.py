@@ -1,6 +1,6 @@
 """Test clusters themselves: naming and planning (pure), and real namespaces: up, status, reachability by
-name, partition/heal/kill, and a `down` that leaves nothing behind. Launches on a cluster are in
-test_testcluster_launch.py."""
+name, partition/heal/kill, and a `down` that leaves nothing behind (slow: `ip` and the processes inside the
+namespaces are real). Launches on a cluster are in test_testcluster_launch.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from orchproc import run_orch
+from orchproc import orch_here, run_orch
 from orchestrator.testcluster import netns as nx
 from orchestrator.testcluster.cluster import HOSTS_FILE, faults, leftovers
 from orchestrator.testcluster.state import load_state, plan_cluster, state_path
@@ -67,13 +67,14 @@ def test_plan_runs_each_node_in_its_namespace_with_its_own_address():
     assert all(n.launch_argv() == n.argv and "--local-addr" not in " ".join(n.argv) for n in plain.nodes)
 
 
-def test_bad_names_and_missing_clusters_exit_2():
-    r = run_orch("launch", "conf=cpu_gloo", "launcher=local", "cluster.testcluster=Bad_Name", "--dry-run")
+def test_bad_names_and_missing_clusters_exit_2(capsys):
+    r = orch_here(capsys, "launch", "conf=cpu_gloo", "launcher=local", "cluster.testcluster=Bad_Name", "--dry-run")
     assert r.returncode == 2 and "cluster.testcluster='Bad_Name'" in r.stderr
-    r = run_orch("launch", "conf=cpu_gloo", "launcher=local", "cluster.testcluster=nosuchcluster", "--dry-run")
+    r = orch_here(capsys, "launch", "conf=cpu_gloo", "launcher=local", "cluster.testcluster=nosuchcluster", "--dry-run")
     assert r.returncode == 2 and "no test cluster named 'nosuchcluster' is up" in r.stderr
     assert r.stderr.count("\n") == 1, "one line, no traceback"
-    r = run_orch("launch", "conf=cpu_gloo", "launcher=ray", "cluster.testcluster=ci", "cluster.address=auto", "--dry-run")
+    r = orch_here(capsys, "launch", "conf=cpu_gloo", "launcher=ray", "cluster.testcluster=ci", "cluster.address=auto",
+                  "--dry-run")
     assert r.returncode == 2 and "cluster.testcluster='ci' cannot join another Ray cluster" in r.stderr
 
 
@@ -86,6 +87,7 @@ def test_commands_that_change_the_network_need_root(monkeypatch, capsys):
     assert "orch testcluster up needs root" in err and "Fix: run it with sudo" in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_pytest_plugin_is_opt_in(tmp_path):
     from importlib.metadata import entry_points
 
@@ -100,6 +102,7 @@ def test_pytest_plugin_is_opt_in(tmp_path):
     assert "testcluster" in fixtures("-p", "orch_testcluster")
 
 
+@pytest.mark.slow
 @pytest.mark.testcluster(nodes=3)
 def test_hosts_reach_each_other_by_name_and_faults_cut_them_off(testcluster):
     tc = testcluster
@@ -133,6 +136,7 @@ def test_hosts_reach_each_other_by_name_and_faults_cut_them_off(testcluster):
         server.kill()
 
 
+@pytest.mark.slow
 def test_cli_up_status_down_leaves_nothing_behind(netns_allowed):
     name = f"cli{os.getpid() % 10000}"
     try:
@@ -160,6 +164,7 @@ def test_cli_up_status_down_leaves_nothing_behind(netns_allowed):
         run_orch("testcluster", "down", name)
 
 
+@pytest.mark.slow
 def test_up_replaces_the_leftovers_of_a_crashed_cluster(netns_allowed):
     name = f"crash{os.getpid() % 10000}"
     try:
@@ -180,6 +185,7 @@ def test_up_replaces_the_leftovers_of_a_crashed_cluster(netns_allowed):
     assert leftovers(name) == []
 
 
+@pytest.mark.slow
 @pytest.mark.testcluster(nodes=2)
 def test_a_cut_off_node_whose_agent_gave_up_gets_a_fresh_agent_once_healed(testcluster, tmp_path):
     """The launcher side of a partition, without a job: a cut-off node's agent that exits non-zero is lost (not
@@ -256,23 +262,30 @@ def test_a_malformed_state_file_is_one_user_error(tmp_path, monkeypatch):
         assert "\n" not in str(info.value)
 
 
-def test_down_refuses_a_state_file_whose_paths_escape_etc_netns(netns_allowed, tmp_path):
+def test_down_refuses_a_state_file_whose_paths_escape_etc_netns(tmp_path, monkeypatch, capsys):
     """`down` deletes what a state file names: one naming an absolute path or `..` is refused whole, with one
-    line and exit 2, and the path it names is still there."""
+    line and exit 2, and the path it names is still there. It is refused before anything runs: no namespaces
+    are needed, only root (which `down` asks for first)."""
+    from orchestrator.testcluster.state import STATE_DIR_ENV
+
+    if os.geteuid() != 0:
+        pytest.skip("orch testcluster down needs root")
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "keep").write_text("precious\n")
     state_dir = tmp_path / "state"
     state_dir.mkdir()
+    monkeypatch.setenv(STATE_DIR_ENV, str(state_dir))
     for bad in (str(victim), "../.." + str(victim)):
         _crafted_state(state_dir, "evil", bad)
-        r = run_orch("testcluster", "down", "evil", env={"ORCH_TESTCLUSTER_DIR": str(state_dir)}, timeout=60)
+        r = orch_here(capsys, "testcluster", "down", "evil")
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
         assert f"names network namespace {bad!r}" in r.stderr and "Fix:" in r.stderr
         assert (victim / "keep").read_text() == "precious\n"
         assert (state_dir / "evil.json").exists(), "a refused state file is left for a human to inspect"
 
 
+@pytest.mark.slow
 def test_up_and_down_rewrite_etc_hosts_atomically_and_restore_it(netns_allowed, tmp_path):
     name = f"hosts{os.getpid() % 10000}"
     env = {"ORCH_TESTCLUSTER_DIR": str(tmp_path)}

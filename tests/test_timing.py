@@ -102,6 +102,7 @@ def test_under_torchrun_the_agent_is_the_parent(monkeypatch):
     assert StartupTimes().fields()["agent_start_t"] == pytest.approx(process_start_time(os.getppid()), abs=0.05)
 
 
+@pytest.mark.slow
 def test_process_start_time_is_accurate_to_a_tick():
     from orchestrator.processes import kill_tree
 

@@ -110,6 +110,7 @@ def test_restarted_rank0_continues_the_same_mlflow_run(tmp_path, monkeypatch, fi
     assert sorted(history) == [(1, 1.0), (2, 2.0), (3, 3.0), (3, 4.0), (4, 5.0)]
 
 
+@pytest.mark.slow
 def test_wandb_offline_writes_its_run_under_the_run_dir(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="the wandb extra is not installed: pip install 'orch[wandb]'")
     for name in [n for n in os.environ if n.startswith("WANDB_")]:

@@ -225,9 +225,10 @@ def test_a_pod_with_a_stolen_run_id_cannot_take_verify_or_delete_the_runs_lease(
     node0 = Lease(root, "job-r", 60.0, "checkpoint.url", shared=True, secret=SECRET)
     node0.acquire()
     for secret in (None, "a-guess"):
-        thief = Lease(root, "job-r", 1.0, "checkpoint.url", shared=True, secret=secret)
+        thief = Lease(root, "job-r", 0.0, "checkpoint.url", shared=True, secret=secret)
         with pytest.raises(ConfigError, match="cannot prove it belongs to that run"):
-            thief.acquire()  # it waits out its own timeout (node 0's lease might have been going stale): in vain
+            thief.acquire()  # it waits out its own timeout (node 0's lease might have been going stale), and
+            # tries again: in vain. A timeout of 0 s keeps that to one retry, a second later.
         thief.release()  # nothing of its own to remove, and nothing else
         with pytest.raises(ConfigError, match="has no live lease of run job-r: .*proof"):
             LeaseFollower(root, "job-r", 5.0, "checkpoint.url", secret).acquire()

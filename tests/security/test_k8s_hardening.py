@@ -7,6 +7,9 @@ rendered manifest is also validated offline (tests/k8s_validation.py)."""
 
 from __future__ import annotations
 
+import copy
+from functools import lru_cache
+
 import pytest
 import yaml
 
@@ -23,10 +26,16 @@ BASE = ["checkpoint.url=s3://b/c", "run.id=h1"]
 SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYEXAMPLEKEY"
 
 
-def objects(fmt: str, *extra: str, preset: str = "cpu_gloo") -> list[dict]:
+@lru_cache(maxsize=None)
+def validated(fmt: str, extra: tuple[str, ...], preset: str):
+    """One render of these inputs (rendering is deterministic: tests/test_k8s_manifests.py), validated once."""
     result = render(preset, [*BASE, *extra], fmt)
     validate_all(result.objects)
-    return result.objects
+    return result
+
+
+def objects(fmt: str, *extra: str, preset: str = "cpu_gloo") -> list[dict]:
+    return copy.deepcopy(validated(fmt, extra, preset).objects)
 
 
 def containers(objs: list[dict]) -> list[dict]:
@@ -98,8 +107,7 @@ def test_a_toleration_value_holding_a_credential_is_refused():
 
 @pytest.mark.parametrize("fmt", OWN_STORE)
 def test_the_store_is_gated_by_default_with_a_secret_named_after_the_job(fmt):
-    result = render("cpu_gloo", BASE, fmt)
-    validate_all(result.objects)
+    result = validated(fmt, (), "cpu_gloo")  # read only: shared with the other tests of these inputs
     found = containers(result.objects)
     assert any(c["name"] == "store" for c in found) and len(found) >= 2
     for c in found:
@@ -131,7 +139,7 @@ def test_the_explicit_opt_out_renders_an_ungated_store_with_a_warning(tmp_path, 
 
 
 def test_rayjob_takes_no_run_secret_the_ray_launcher_gates_its_own_store():
-    result = render("cpu_gloo", BASE, "rayjob")
+    result = validated("rayjob", (), "cpu_gloo")
     assert "ORCH_RUN_SECRET" not in result.text() and result.secret_command == "" and result.warnings == ()
     with pytest.raises(ConfigError, match="has no store to gate in --format rayjob"):
         render("cpu_gloo", [*BASE, "k8s.run_secret=rdzv"], "rayjob")

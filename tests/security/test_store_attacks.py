@@ -1,7 +1,8 @@
 """Attacks on the run's store and its gate, each against the real thing (orch's store behind its gate, torch's
 own TCPStore client, orch's agent-side relays and rendezvous backend): a client without the secret writes
 nothing, a forged rendezvous state is never unpickled, a fake server learns nothing, a stranger on the same
-host cannot use an agent's relay. Fast: one store in this process, attackers in subprocesses."""
+host cannot use an agent's relay. One store in this process; the attacks whose attacker is a process of its own
+(torch's client, an agent's process tree) are slow."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ def wait_until(predicate, timeout: float = 10.0) -> bool:
     return predicate()
 
 
+@pytest.mark.slow
 def test_torchs_client_without_the_secret_writes_nothing_and_is_recorded(store, tmp_path):
     marker = tmp_path / "MARKER"
     verdict = stranger_writes("127.0.0.1", store.port, rs.state_key(RUN), touching_state(marker))
@@ -184,6 +186,7 @@ else:
 """
 
 
+@pytest.mark.slow
 def test_an_agents_relay_admits_its_own_tree_and_no_stranger_on_the_host(store):
     """An agent (a process holding the secret) relays for its descendants; this test process, a stranger to it
     on the same host and of the same user, gets nothing through it."""
