@@ -1,11 +1,12 @@
-# Two entry points on a fresh machine with only python3: `make demo` and `make test`.
+# Two entry points on a fresh machine with only python3: `make demo` and `make test` (`make test-fast`: the
+# tests that start no process, in under three minutes).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # torch first, pinned to a CPU-friendly release (override for CUDA: make demo TORCH_SPEC="torch==2.14.1").
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test install clean
+.PHONY: demo test test-fast install clean
 
 $(BIN)/orch: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +22,9 @@ demo: install
 
 test: install
 	$(BIN)/pytest -q
+
+test-fast: install
+	$(BIN)/pytest -q -m "not slow"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
