@@ -14,7 +14,8 @@ from torch import nn
 
 import orchestrator.elastic as elastic
 from orchestrator.config.extras import torchft_problem
-from orchestrator.ft.steps import RestartSteps, StepProtocol, step_protocol
+from orchestrator.ft.steps import RestartSteps, StepProtocol
+from orchestrator.ft.worker import step_protocol
 from orchestrator.rundir import EVENTS_FILE, read_jsonl
 from orchestrator.runtime.distributed import DistContext
 from orchestrator.runtime.state import Progress, Record, RngState, TrainingState
@@ -47,11 +48,11 @@ class Scripted(RestartSteps):
 
 
 def test_every_mode_implements_the_whole_protocol():
-    from orchestrator.ft.replica import PerStepMode, ReplicaGroup
+    from orchestrator.ft.replica import PerStepSteps, ReplicaGroup
 
     assert {"attach", "heal", "restored", "membership", "begin_step", "end_step", "window_rolled",
             "sync_gradients", "peers_hold_state", "shutdown"} <= set(HOOKS)
-    for cls in (RestartSteps, PerStepMode, ReplicaGroup):
+    for cls in (RestartSteps, PerStepSteps, ReplicaGroup):
         for name in HOOKS:
             expected = list(inspect.signature(getattr(StepProtocol, name)).parameters)
             assert list(inspect.signature(getattr(cls, name)).parameters) == expected, (cls.__name__, name)
@@ -73,12 +74,12 @@ def test_restart_mode_is_picked_without_orchs_quorum_service(monkeypatch):
 @pytest.mark.skipif(torchft_problem() is not None, reason=str(torchft_problem()))
 def test_per_step_is_picked_under_orchs_launcher_and_records_its_own_round(monkeypatch):
     from orchestrator.config.schema import FaultToleranceConfig, OrchConfig
-    from orchestrator.ft.replica import PerStepMode
+    from orchestrator.ft.replica import PerStepSteps
 
     monkeypatch.setenv("ORCH_FT_QUORUM", "127.0.0.1:1")  # nothing is dialed before attach()
     mode = step_protocol(OrchConfig(preset="t", fault_tolerance=FaultToleranceConfig(mode="per_step")), SOLO,
                          torch.device("cpu"))
-    assert isinstance(mode, PerStepMode)
+    assert isinstance(mode, PerStepSteps)
     events: list[tuple[str, dict]] = []
     mode.record_start(lambda e, **f: events.append((e, f)), SOLO)
     assert [e for e, _ in events] == ["replica_started"]

@@ -22,7 +22,8 @@ from orchestrator.elastic.checkpoints import SessionCheckpoints, hash_settings
 from orchestrator.elastic.heartbeat import Heartbeat
 from orchestrator.elastic.metrics import MetricsLog
 from orchestrator.elastic.preemption import PreemptedExit, PreemptionResponse
-from orchestrator.ft.steps import StepProtocol, step_protocol
+from orchestrator.ft.steps import StepProtocol
+from orchestrator.ft.worker import step_protocol
 from orchestrator.rundir import EventLog, EventName
 from orchestrator.runtime.distributed import DistContext, select_device
 from orchestrator.runtime.sampler import GlobalBatchSampler

@@ -57,7 +57,7 @@ class _ReplicaRecords:
                 {"start_sample": start_sample, "world_size": world_size, "job_rank": rank})
 
 
-class PerStepMode(_ReplicaRecords, RestartSteps):
+class PerStepSteps(_ReplicaRecords, RestartSteps):
     """per_step before the training state is registered: nothing to coordinate yet (as in restart mode);
     :meth:`attach` makes the :class:`ReplicaGroup` once the process group exists."""
 

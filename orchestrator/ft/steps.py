@@ -1,5 +1,6 @@
 """The worker side of a fault-tolerance mode: one step protocol, which the session calls at fixed points
-whatever the mode (``fault_tolerance.mode``), and the function that picks the implementation.
+whatever the mode (``fault_tolerance.mode``); :func:`orchestrator.ft.worker.step_protocol` picks the
+implementation.
 
 The session (orchestrator/elastic/session.py) calls, in this order:
 
@@ -18,18 +19,16 @@ The session (orchestrator/elastic/session.py) calls, in this order:
 
 Restart mode's implementation, :class:`RestartSteps`, does nothing: torchrun restarts every worker on a
 membership change and the session restores from storage. per_step's is the replica group of
-orchestrator/ft/replica.py (torchft, under orch's launcher only).
+orchestrator/ft/replica.py (torchft, under orch's launcher only). The driver side of a mode is
+orchestrator/ft/driver.py's.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-from orchestrator.config.schema import OrchConfig
-from orchestrator.ft import QUORUM_ENV
 from orchestrator.rundir import EventName
 from orchestrator.runtime.distributed import DistContext
 from orchestrator.runtime.state import Stateful, TrainingState
@@ -141,12 +140,3 @@ class RestartSteps:
     def shutdown(self) -> None:
         pass
 
-
-def step_protocol(cfg: Optional[OrchConfig], ctx: DistContext, device: torch.device) -> StepProtocol:
-    """This worker's mode: per_step under orch's launcher (it hosts the quorum service and says where:
-    ``ORCH_FT_QUORUM``), restart otherwise (no config, a bare torchrun, or ``fault_tolerance.mode=restart``)."""
-    if cfg is not None and cfg.fault_tolerance.mode == "per_step" and os.environ.get(QUORUM_ENV):
-        from orchestrator.ft.replica import PerStepMode  # torchft: an optional extra
-
-        return PerStepMode(cfg, ctx, device)
-    return RestartSteps()

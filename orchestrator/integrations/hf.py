@@ -48,7 +48,8 @@ from orchestrator.elastic.metrics import flatten, progress_line
 from orchestrator.elastic.preemption import PreemptedExit, PreemptionResponse
 from orchestrator.elastic.session import open_trackers_rank0
 from orchestrator.errors import ConfigError
-from orchestrator.ft.steps import StepProtocol, step_protocol
+from orchestrator.ft.steps import StepProtocol
+from orchestrator.ft.worker import step_protocol
 from orchestrator.preemption.notices import SIGTERM_SOURCE
 from orchestrator.rundir import CONFIG_FILE, METRICS_FILE, EventLog, EventName, append_jsonl
 from orchestrator.runtime.distributed import DistContext

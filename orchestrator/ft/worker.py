@@ -1,0 +1,23 @@
+"""Which fault-tolerance mode a worker runs (the driver's choice is orchestrator/ft/driver.py's)."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from orchestrator.config.schema import OrchConfig
+from orchestrator.ft import QUORUM_ENV
+from orchestrator.ft.steps import RestartSteps, StepProtocol
+from orchestrator.runtime.distributed import DistContext
+
+
+def step_protocol(cfg: Optional[OrchConfig], ctx: DistContext, device: torch.device) -> StepProtocol:
+    """This worker's mode: per_step under orch's launcher (it hosts the quorum service and says where:
+    ``ORCH_FT_QUORUM``), restart otherwise (no config, a bare torchrun, or ``fault_tolerance.mode=restart``)."""
+    if cfg is not None and cfg.fault_tolerance.mode == "per_step" and os.environ.get(QUORUM_ENV):
+        from orchestrator.ft.replica import PerStepSteps  # torchft: an optional extra
+
+        return PerStepSteps(cfg, ctx, device)
+    return RestartSteps()
