@@ -355,7 +355,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         argv = options_last(argv, ("--format", "-o", "--output"))
     args = build_parser().parse_args(argv)
     code = _run(args)
-    ray_launcher = sys.modules.get("orchestrator.launchers.ray")
+    ray_launcher = sys.modules.get("launchers.ray")
     if ray_launcher is not None and ray_launcher.ABANDONED:
         # Ray's core worker cannot be torn down once its head's address vanished (a test cluster taken down
         # under the run): its exit hooks crash. Everything orch owed is written; leave with the run's code.

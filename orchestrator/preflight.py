@@ -1,8 +1,10 @@
-"""Launch preflight: what ``orch launch`` checks against this machine before it writes or starts anything.
+"""Launch preflight: what ``orch launch`` checks against this machine before it writes or starts anything, in
+one place (:func:`check`).
 
 Each check turns a problem that would otherwise surface only after the agents started (a script that is not
-there, a module that does not import, a store host that does not resolve, a busy store port, a resume step that
-was never saved) into one ``ConfigError`` line naming the key, the value and the fix, with nothing written.
+there, a module that does not import, a store host that does not resolve, a busy store port, GPUs this machine
+lacks, a checkpoint URL it cannot write, a resume step that was never saved, a live run on the same run dir)
+into one ``ConfigError`` line naming the key, the value and the fix (exit 2), with nothing written.
 """
 
 from __future__ import annotations
@@ -12,10 +14,58 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from orchestrator.config.schema import OrchConfig
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, EnvironmentMismatch
+
+
+def check(cfg: OrchConfig, site: Any, here: bool = True) -> None:
+    """Every check of a launch on ``site`` (an :class:`orchestrator.site.Site`, before it connects): the
+    entrypoint, the store's address (when the launch hosts it, ``here``: on this machine), this machine's GPUs
+    for the nodes it runs, the checkpoint URL, a resume step, and that no live run holds the run's leases."""
+    check_entrypoint(cfg)
+    host = site.store_host()
+    if here and host is not None:
+        check_store_address(cfg, host)
+    check_local_resources(cfg, site.nodes_here)
+    check_checkpoint_url(cfg)
+    check_resume_step(cfg, cfg.checkpoint.url or f"{cfg.run.dir}/checkpoints")
+    run_leases(cfg, site.run_id).check()
+
+
+def check_local_resources(cfg: OrchConfig, nodes_here: int) -> None:
+    """EnvironmentMismatch (exit 2) when the ``nodes_here`` nodes that run on this machine need CUDA or NCCL it
+    lacks."""
+    if nodes_here == 0:
+        return
+    c = cfg.cluster
+    if c.device == "cuda" or cfg.backend.name == "nccl":
+        import torch
+
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        need = nodes_here * c.nproc_per_node
+        if have < need:
+            raise EnvironmentMismatch(
+                f"cluster.device=cuda: preset {cfg.preset!r} needs {need} CUDA GPU(s) on this machine "
+                f"({c.nproc_per_node} per node, {nodes_here} node(s) here), but it has {have}. Fix: "
+                f"`orch launch conf={cfg.preset} --dry-run` shows the plan without running it; "
+                "`orch launch conf=cpu_gloo` runs on CPUs")
+    if cfg.backend.name == "nccl":
+        import torch.distributed as dist
+
+        if not dist.is_nccl_available():
+            raise EnvironmentMismatch("backend.name=nccl: this torch build has no NCCL. Fix: install a CUDA build "
+                                      "of torch, or use backend=gloo")
+
+
+def check_checkpoint_url(cfg: OrchConfig) -> None:
+    """Prove an explicit ``checkpoint.url`` writable (the default one lives in the run dir, which does not
+    exist yet: probing it would create the run dir; it is created right after)."""
+    if cfg.checkpoint.url is not None:  # an empty URL is refused, not taken for the default
+        from orchestrator.checkpoint import preflight_storage
+
+        preflight_storage(cfg.checkpoint.url)
 
 
 def check_entrypoint(cfg: OrchConfig) -> None:
@@ -44,29 +94,29 @@ def _module_findable(name: str) -> bool:
     return spec is not None
 
 
-def check_store_address(cfg: OrchConfig) -> None:
-    """The store (and per_step's Lighthouse) this launch hosts can listen on ``rendezvous.host``: the name
-    resolves, it is an address of this machine, and a fixed ``rendezvous.port`` is free there (0 always is).
-    Bound and closed again with the function the store itself binds with. Not for an external store, whose
-    name (a Kubernetes Service's) may resolve only inside the cluster, nor a test cluster's bridge."""
+def check_store_address(cfg: OrchConfig, host: Optional[str] = None) -> None:
+    """The store this launch hosts can listen on ``host`` (default ``rendezvous.host``): the name resolves, it
+    is an address of this machine, and a fixed ``rendezvous.port`` is free there (0 always is). Bound and closed
+    again with the function the store itself binds with. (An external store's name, a Kubernetes Service's, may
+    resolve only inside the cluster: a launch that dials one hosts no store and checks nothing here.)"""
     r = cfg.rendezvous
-    if r.external or cfg.cluster.testcluster:
-        return
-    from orchestrator.rendezvous.store import listening_socket
+    from orchestrator.trust.acceptor import listening_socket
+
+    host = r.host if host is None else host
 
     fix = "use an address of this machine (127.0.0.1, its IP or host name, or 0.0.0.0 for every interface)"
     try:
-        listening_socket(r.host, 0).close()
+        listening_socket(host, 0).close()
     except OSError as e:  # gaierror first: it is an OSError too
         problem = "does not resolve" if isinstance(e, socket.gaierror) else "cannot be listened on here"
-        raise ConfigError("rendezvous.host", r.host, fix, f"{problem} ({e.strerror or e})") from None
+        raise ConfigError("rendezvous.host", host, fix, f"{problem} ({e.strerror or e})") from None
     if r.port == 0:
         return
     try:
-        listening_socket(r.host, r.port).close()
+        listening_socket(host, r.port).close()
     except OSError as e:
         raise ConfigError("rendezvous.port", r.port, "stop what holds it, pick another port, or use 0 for a free one",
-                          f"cannot be bound on {r.host} ({e.strerror or e})") from None
+                          f"cannot be bound on {host} ({e.strerror or e})") from None
 
 
 def check_resume_step(cfg: OrchConfig, url: str) -> None:

@@ -161,11 +161,10 @@ def test_help_lists_presets_and_groups(capsys):
     (["cluster.address=10.0.0.1:6379"], 0),                                     # the Ray cluster's nodes bring GPUs
 ])
 def test_gpus_are_checked_for_the_nodes_that_run_on_this_machine(args, here):
-    from orchestrator.plan.plan import build_plan
-    from orchestrator.plan.resources import nodes_here
+    from orchestrator.site import make_site
 
     cfg = compose_config("bert8gpu", args)
-    assert nodes_here(build_plan(cfg, "/tmp/run", "rid"), cfg.cluster) == here
+    assert make_site(cfg, "rid").nodes_here == here
 
 
 def test_a_pod_running_one_node_needs_one_nodes_gpus_and_joining_ray_needs_none_here(tmp_path, capsys):
@@ -263,8 +262,10 @@ def test_the_driver_env_forwarded_to_agents_by_allow_and_deny_list(tmp_path):
 
 
 def test_forwarded_secrets_reach_the_agents_but_never_the_run_dir(tmp_path, monkeypatch):
+    from orchestrator.controller.agents import AgentMaker
     from orchestrator.controller.api import AgentStarted, ClusterNode, ManualClock
     from orchestrator.controller.controller import Controller
+    from orchestrator.ft.driver import driver_mode
     from orchestrator.plan.plan import build_plan
     from orchestrator.rundir import EventLog
 
@@ -297,7 +298,8 @@ def test_forwarded_secrets_reach_the_agents_but_never_the_run_dir(tmp_path, monk
     (tmp_path / "plan.json").write_text(plan.to_json())
     events = EventLog(tmp_path, clock=ManualClock().time)
     pool = RecordingPool()
-    controller = Controller(cfg, plan, pool, events, clock=ManualClock())
+    controller = Controller(cfg, plan, pool, events, AgentMaker(plan, driver_mode(cfg), {}, gated=True),
+                            clock=ManualClock())
     for _ in range(3):
         controller._step()
     assert len(pool.started) == 2
@@ -310,7 +312,7 @@ def test_forwarded_secrets_reach_the_agents_but_never_the_run_dir(tmp_path, monk
 
 
 def test_joining_a_ray_cluster_ships_the_working_directory(tmp_path):
-    from orchestrator.launchers.ray import shipped_runtime_env
+    from orchestrator.lifecycle.rayjobs import shipped_runtime_env
 
     cwd = str(tmp_path)
     assert shipped_runtime_env(compose_config("cpu_gloo"), cwd) is None  # embedded Ray: this machine

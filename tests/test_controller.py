@@ -13,12 +13,15 @@ import pytest
 from orchestrator.config.compose import compose_config
 from orchestrator.config.schema import FailureConfig
 from orchestrator.controller import controller as controller_module
+from orchestrator.controller.agents import AgentMaker
 from orchestrator.controller.api import AgentExit, AgentStarted, ClusterNode, ExitKind, ManualClock, RunHooks, RunStatus
 from orchestrator.controller.controller import EXIT_BARRIER_GRACE_S, EXIT_TIMEOUT_S, Controller
 from orchestrator.controller.failure_policy import (FailureAction, classify, decide, failure_signature,
                                                     same_failure)
 from orchestrator.controller.scaling_policy import ScalingPolicy
 from orchestrator.controller.standby_policy import standbys_to_boot
+from orchestrator.controller.worker_view import Notice
+from orchestrator.ft.driver import driver_mode
 from orchestrator.plan.plan import build_plan
 from orchestrator.report.summary import recoveries
 from orchestrator.rundir import EventLog
@@ -121,8 +124,7 @@ def test_below_min_for_longer_than_wait_for_nodes_fails_saying_so():
 
 
 def test_standby_policy_boots_once_per_notice_never_for_sigterm():
-    notices = [{"t": 5.0, "node": 1, "source": "chaos"}, {"t": 6.0, "node": 1, "source": "chaos"},
-               {"t": 5.0, "node": 0, "source": "sigterm"}, {"t": 1.0, "node": 2, "source": "aws"}]
+    notices = [Notice(1, 5.0, "chaos"), Notice(1, 6.0, "chaos"), Notice(0, 5.0, "sigterm"), Notice(2, 1.0, "aws")]
     assert standbys_to_boot(notices, {0: 0.0, 1: 0.0, 2: 2.0}, set()) == [1], "node 2's notice predates its agent"
     assert standbys_to_boot(notices, {0: 0.0, 1: 0.0}, {1}) == []
 
@@ -180,14 +182,21 @@ class ScriptedPool:
 def make_controller(tmp_path, monkeypatch):
     monkeypatch.setattr(controller_module, "SCALE_INTERVAL_S", 0.0)
 
-    def make(overrides: list[str], node_slots: list[ClusterNode], **kw):
+    def make(overrides: list[str], node_slots: list[ClusterNode], evict=None, pod=False, **kw):
+        """``evict(rdzv_id, pid)``: the store's eviction (restart mode takes a departed agent out through it);
+        ``pod``: the site's hooks of a Kubernetes pod (the run's records may land in another pod)."""
         cfg = compose_config("cpu_elastic", [*overrides, f"run.dir={tmp_path}"])
         plan = build_plan(cfg, str(tmp_path), "run-1", store_port=29400)
         clock = ManualClock()
         events = EventLog(tmp_path, clock=clock.time)
         events.emit("launch_started", launcher="test")
         pool = ScriptedPool(node_slots)
-        return Controller(cfg, plan, pool, events, clock=clock, **kw), pool, events, clock
+        mode = driver_mode(cfg)
+        mode.host(type("Store", (), {"evict": staticmethod(evict)})() if evict else None, events)
+        if pod:
+            kw["hooks"] = type("PodHooks", (RunHooks,), {"records_training": False})()
+        agents = AgentMaker(plan, mode, {}, gated=True)
+        return Controller(cfg, plan, pool, events, agents, clock=clock, **kw), pool, events, clock
 
     return make
 

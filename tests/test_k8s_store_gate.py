@@ -167,24 +167,32 @@ def test_a_store_process_without_the_secret_accepts_a_plain_client(tmp_path):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("secret, gated", [("s3cr3t", True), (None, False)])
 def test_a_pods_launcher_relays_to_the_external_store_only_with_the_secret(monkeypatch, tmp_path, secret, gated):
+    from launchers import runner
     from orchestrator.config.compose import compose_config
-    from orchestrator.launchers import local
+    from orchestrator.site import make_site
 
     seen: dict = {}
 
     class Recorder:
-        def __init__(self, *args, **kwargs):
-            seen.update(kwargs)
+        def __init__(self, cfg, plan, pool, events, agents, **kwargs):
+            seen.update(agents=agents, **kwargs)
 
-    monkeypatch.setattr(local, "Controller", Recorder)
-    monkeypatch.setattr(local, "run_with_signals", lambda controller, *_: "succeeded")
+    class NoLeases:  # a pod of node 1 waits for node 0's lease, which this test has no node 0 to take
+        def release(self):
+            pass
+
+    monkeypatch.setattr(runner, "Controller", Recorder)
+    monkeypatch.setattr(runner, "run_with_signals", lambda controller, *_: "succeeded")
+    monkeypatch.setattr(runner, "check", lambda cfg, site: None)
+    monkeypatch.setattr(runner, "open_run_dir", lambda *args: NoLeases())
     if secret:
         monkeypatch.setenv(RUN_SECRET_ENV, secret)
     else:
         monkeypatch.delenv(RUN_SECRET_ENV, raising=False)
-    cfg = compose_config("cpu_gloo", ["rendezvous.external=true", "rendezvous.host=orch-g1-rdzv",
-                                      "rendezvous.port=29400", "cluster.node_index=1", "run.id=g1"])
-    assert local.LocalLauncher(cfg, str(tmp_path), "g1").run() == "succeeded"
-    assert seen["gated"] is gated
-    if secret:
-        assert seen["agent_env"] == {RUN_SECRET_ENV: secret}
+    cfg = compose_config("cpu_gloo", ["launcher=local", "rendezvous.external=true", "rendezvous.host=orch-g1-rdzv",
+                                      "rendezvous.port=29400", "cluster.node_index=1", "run.id=g1", f"run.dir={tmp_path}"])
+    site = make_site(cfg, "g1")
+    assert site.store_host() is None and site.node_indexes == [1], "a pod hosts no store and plays its own node"
+    assert site.run(cfg, "g1", None, None) == "succeeded"
+    assert seen["agents"].gated is gated and seen["nodes"] == [1]
+    assert seen["agents"].secret_env == ({RUN_SECRET_ENV: secret} if secret else {})

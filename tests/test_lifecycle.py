@@ -85,7 +85,7 @@ def _alive(pid: int) -> bool:
 
 
 def _record(run_dir: Path, **fields) -> None:
-    from orchestrator.lifecycle.record import new_record, write_record
+    from orchestrator.launch_record import new_record, write_record
 
     run_dir.mkdir(parents=True)
     write_record(run_dir, {**new_record(str(run_dir), "cpu_gloo-x", "cpu_gloo", ["trainer.max_steps=5"], "detached"),

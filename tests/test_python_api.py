@@ -115,25 +115,14 @@ def test_dry_run_prints_nothing_unless_asked(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-class _FinishedLauncher:
-    """Stands in for a launcher whose run ended with ``status`` (nothing runs)."""
-
-    status = "succeeded"
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def run(self) -> str:
-        return self.status
-
-
 @pytest.mark.parametrize("status, error, code", [
     ("succeeded", None, 0), ("failed", RunFailed, 1), ("preempted", Preempted, 75), ("interrupted", Interrupted, 130),
 ])
 def test_a_run_that_did_not_succeed_raises_with_its_result(tmp_path, monkeypatch, capsys, status, error, code):
-    module = importlib.import_module("orchestrator.launch")
-    monkeypatch.setattr(_FinishedLauncher, "status", status)
-    monkeypatch.setattr(module, "_launcher", lambda cfg, run_id, echo: _FinishedLauncher())
+    """The whole launch (site, store, plan, checks, run dir, controller) but the controller's loop, which
+    ends at once with ``status``."""
+    runner = importlib.import_module("launchers.runner")
+    monkeypatch.setattr(runner, "run_with_signals", lambda controller, *_: status)
     run_dir = tmp_path / "run"
     if error is None:
         result = orchestrator.launch("cpu_gloo", ["launcher=local", f"run.dir={run_dir}"])
@@ -144,6 +133,7 @@ def test_a_run_that_did_not_succeed_raises_with_its_result(tmp_path, monkeypatch
         result = info.value.result
     assert (result.status, result.run_dir) == (status, str(run_dir))
     assert result.summary["status"] and (run_dir / "summary.json").exists()
+    assert (run_dir / "config.yaml").exists() and (run_dir / "plan.json").exists()
     assert capsys.readouterr().out == ""
 
 

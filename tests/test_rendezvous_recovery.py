@@ -58,11 +58,12 @@ dist.destroy_process_group()
 def start_agent(store, run_id: str, script: Path, out: Path, logs: Path, name: str) -> subprocess.Popen:
     """A torchrun agent as orch's plan starts one: orch's rendezvous flags and environment, ``--nnodes=2:3``."""
     from orchestrator.config import compose_config
-    from orchestrator.rendezvous.args import rendezvous_argv, rendezvous_env
+    from orchestrator.rendezvous.args import rendezvous_argv, rendezvous_conf, rendezvous_env
 
     cfg = compose_config("cpu_elastic", ["launcher=local"])
     argv = [sys.executable, "-m", "orchestrator.rendezvous.agent", "--nnodes=2:3", "--nproc-per-node=1",
-            *rendezvous_argv(cfg, f"127.0.0.1:{store.port}", run_id), "--max-restarts=3", "--monitor-interval=0.5",
+            *rendezvous_argv(f"127.0.0.1:{store.port}", run_id, rendezvous_conf(cfg)), "--max-restarts=3",
+            "--monitor-interval=0.5",
             str(script), str(out)]
     env = {**os.environ, **rendezvous_env(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "ORCH_RUN_SECRET": store.secret}

@@ -49,22 +49,26 @@ def test_cluster_plan_names_hosts_and_addresses():
 
 
 def test_plan_runs_each_node_in_its_namespace_with_its_own_address():
-    """Planning stays pure: the cluster's state goes in, argv/env/netns per node come out."""
+    """Planning stays pure: the test-cluster site's host records go in (what the cluster's state says of
+    each host), per node command, env and host come out; the plan itself knows nothing of test clusters."""
+    from launchers.testcluster import host_records
     from orchestrator.config.compose import compose_config
     from orchestrator.plan.plan import build_plan
 
     state = plan_cluster("ci", 3, subnet_index=77)
     cfg = compose_config("cpu_elastic", ["launcher=local", "cluster.nnodes=2:3", "cluster.testcluster=ci"])
-    plan = build_plan(cfg, "/tmp/run", "rid", store_port=1234, testcluster=state)
+    plan = build_plan(cfg, "/tmp/run", "rid", store_port=1234, store_host=state.bridge_address,
+                      hosts=host_records(state, 3))
     assert plan.rendezvous_endpoint == "10.213.77.1:1234"
     for node, host in zip(plan.nodes, state.nodes):
         assert f"--local-addr={host.hostname}" in node.argv
-        assert node.env["GLOO_SOCKET_IFNAME"] == "eth0"
-        assert node.launch_argv()[:4] == ("ip", "netns", "exec", host.netns)
-        assert node.launch_argv()[-len(node.argv):] == node.argv
-    assert "host: ci-node1 (ip netns exec orch-ci-node1)" in plan.format_text()
+        assert node.env["GLOO_SOCKET_IFNAME"] == "eth0" and node.host.address == host.address
+        entered = node.host.run(node.argv)
+        assert entered[:4] == ("ip", "netns", "exec", host.netns) and entered[-len(node.argv):] == node.argv
+    assert f"host: ci-node1 at {state.nodes[1].address}" in plan.format_text()
+    assert "ip netns exec orch-ci-node1" in plan.format_text()
     plain = build_plan(compose_config("cpu_gloo", []), "/tmp/run", "rid", store_port=1234)
-    assert all(n.launch_argv() == n.argv and "--local-addr" not in " ".join(n.argv) for n in plain.nodes)
+    assert all(n.host is None and "--local-addr" not in " ".join(n.argv) for n in plain.nodes)
 
 
 def test_bad_names_and_missing_clusters_exit_2(capsys):

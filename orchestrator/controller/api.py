@@ -1,7 +1,7 @@
 """What the controller knows about nodes, node agents and time, apart from how agents run.
 
 The controller acts only through a :class:`NodePool`: local processes (``pools/local.py``), Ray actors
-(``pools/ray.py``) and test-cluster hosts (``orchestrator/testcluster/pool.py``) are the real ones; the fast
+(``pools/ray.py``) and test-cluster hosts (``launchers/testcluster.py``) are the real ones; the fast
 tests swap in a scripted pool and a :class:`ManualClock`, so every controller behaviour runs in milliseconds.
 """
 
@@ -11,6 +11,11 @@ import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Optional, Protocol, Union
+
+
+NODE_ADDRESS = "<this node's address>"
+"""An env value a pool replaces with the address of the machine an agent lands on (a Ray node's IP): what the
+plan gives a node whose machine is not known when planning."""
 
 
 class RunStatus(StrEnum):
@@ -107,8 +112,17 @@ class NodePool(Protocol):
 
 
 class RunHooks:
-    """Duties a launch adds around its pool on every controller tick (test clusters: fault events, partitioned
-    rounds, the hosts' Ray nodes). The default does nothing."""
+    """What a site adds around its pool: duties on every controller tick (test clusters: fault events,
+    partitioned rounds, the hosts' Ray nodes) and where nodes may run. The default does nothing and places any
+    free node anywhere."""
+
+    records_training: bool = True
+    """Whether the run's records (rank 0's ``training_finished``) land in this controller's run dir: false for a
+    Kubernetes pod, whose rank 0 may train in another pod."""
+
+    def node_for(self, ip: str, free: list[int]) -> Optional[int]:
+        """Which of the ``free`` nodes an agent on the machine with ``ip`` plays (None: none may run there)."""
+        return free[0] if free else None
 
     def on_tick(self, agent_pids: dict[int, int], rdzv_id: str) -> Optional[str]:
         """``agent_pids``: node -> torchrun PID of the running agents. A returned reason fails the run at once

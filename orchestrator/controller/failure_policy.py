@@ -114,3 +114,27 @@ def failure_signature(worker_failures: list[dict[str, Any]], log_path: Path, log
 def same_failure(a: Optional[str], b: Optional[str]) -> bool:
     """Two signatures name the same failure (numbers that change from run to run, like PIDs, aside)."""
     return a is not None and b is not None and _ADDRESSES.sub("#", a) == _ADDRESSES.sub("#", b)
+
+
+class FailureBudget:
+    """The run's failures and preemptions so far, and the decision on one more exit (:func:`decide`, after
+    :func:`failure_signature` tells whether a failure repeats the previous attempt's)."""
+
+    def __init__(self, cfg: FailureConfig):
+        self.cfg = cfg
+        self.failures = self.preemptions = 0
+        self._previous: Optional[str] = None
+
+    def charge(self, verdict: ExitVerdict, worker_failures: list[dict[str, Any]], log_path: Path,
+               log_offset: int) -> tuple[FailureDecision, Optional[str]]:
+        """Count an exit (``worker_failures``: this attempt's ``worker_failed`` records; the node's log from
+        ``log_offset``); returns the decision and the repeated failure, if it is one."""
+        repeated = None
+        if verdict.kind in (ExitKind.LOST, ExitKind.PREEMPTED):
+            self.preemptions += 1
+        elif verdict.kind == ExitKind.FAILED:
+            self.failures += 1
+            signature = failure_signature(worker_failures, log_path, log_offset)
+            repeated = signature if same_failure(signature, self._previous) else None
+            self._previous = signature
+        return decide(verdict, self.cfg, self.failures, self.preemptions, repeated), repeated

@@ -60,7 +60,7 @@ def run_launch(preset: str, overrides: Sequence[str], *, detach: bool = False, d
 
 def _ray_job(preset: str, overrides: Sequence[str], detach: bool) -> int:
     from orchestrator.lifecycle import rayjobs
-    from orchestrator.lifecycle.record import read_record
+    from orchestrator.launch_record import read_record
 
     run_dir, run_id, url = rayjobs.submit(preset, overrides)
     print(f"submitted Ray job {run_id} to {url}")

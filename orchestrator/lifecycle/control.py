@@ -96,7 +96,7 @@ def resume_args(ref: str, extra: Sequence[str]) -> tuple[str, list[str]]:
     """The preset and overrides to launch RUN again with: the recorded ones, then ``extra``, then its run dir.
     A run still running, or one launched from Python without a command line, is refused."""
     from orchestrator.config.compose import split_preset
-    from orchestrator.lifecycle.record import merge_overrides
+    from orchestrator.launch_record import merge_overrides
 
     run_dir, record = own_run(ref, "resume")
     if status_of(run_dir, record).state in LIVE:

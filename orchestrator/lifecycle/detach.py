@@ -13,17 +13,15 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from orchestrator.lifecycle.record import new_record, supervisor, write_record
+from orchestrator.launch_record import new_record, supervisor, write_record
 from orchestrator.rundir import ORCH_LOG
 
 
 def launch_detached(preset: str, overrides: Sequence[str], mode: str = "detached") -> tuple[str, str]:
     """Start ``orch launch conf=PRESET OVERRIDES`` in the background; returns (run dir, run id)."""
     from orchestrator.launch import check_launchable
-    from orchestrator.preflight import check_store_address
 
-    cfg, run_id = check_launchable(preset, overrides)
-    check_store_address(cfg)  # the background launch hosts the store here: its host and port are checked now
+    cfg, run_id = check_launchable(preset, overrides)  # the background launch runs here: its store host too
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     record = new_record(str(run_dir), run_id, preset, overrides, mode)

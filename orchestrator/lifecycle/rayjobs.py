@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from orchestrator.errors import EnvironmentMismatch, UserError
-from orchestrator.lifecycle.record import new_record, recordable, write_record
+from orchestrator.config.schema import OrchConfig
+from orchestrator.launch_record import new_record, recordable, write_record
 
 STOP_MARGIN_S = 60  # beyond preemption.grace_period_s: the driver ends its agents and writes the summary
 JOB_STATES = {"PENDING": "starting", "RUNNING": "running", "STOPPED": "stopped", "SUCCEEDED": "succeeded",
@@ -60,9 +61,8 @@ def submit(preset: str, overrides: Sequence[str]) -> tuple[str, str, str]:
     from orchestrator.controller.agent_env import forwarded_env
     from orchestrator.controller.controller import SIGTERM_STOPS_ENV
     from orchestrator.launch import check_launchable
-    from orchestrator.launchers.ray import shipped_runtime_env
 
-    cfg, run_id = check_launchable(preset, overrides)
+    cfg, run_id = check_launchable(preset, overrides, here=False)
     url = jobs_api_url(cfg.cluster.address)
     jobs = client(url)
     run_dir = Path(cfg.run.dir)
@@ -134,3 +134,29 @@ def wait_job(record: dict[str, Any], timeout_s: float) -> str:
         time.sleep(1.0)
         state = job_state(record)
     return state
+
+
+WORKING_DIR_EXCLUDES = (".git", ".hg", ".venv", "venv", "__pycache__", "*.pyc", ".pytest_cache", "/runs")
+RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray for a job's driver (see submit)
+
+
+def shipped_runtime_env(cfg: OrchConfig, cwd: str) -> Optional[dict]:
+    """Ray's job ``runtime_env`` when joining a cluster (``cluster.address``): this working directory, shipped
+    to every node, so that the entrypoint (a relative script path, a module, ``PYTHONPATH`` entries under it)
+    imports there as it does here. Node agents start in the copy unless the same path exists on their machine
+    (shared storage). None for the embedded Ray and test clusters: their nodes are this machine.
+
+    Left out of the copy: version control, virtual environments, caches, ``runs/`` and the run dir and local
+    checkpoint dir when under ``cwd`` (they are written, not read), plus whatever ``.gitignore`` and
+    ``.rayignore`` list (Ray reads them)."""
+    if not cfg.cluster.address or cfg.cluster.testcluster:
+        return None
+    if os.environ.get(RAY_JOB_ENV):  # a Ray job's driver: the job shipped it already; Ray refuses a second one
+        return None
+    excludes = list(WORKING_DIR_EXCLUDES)
+    for path in (cfg.run.dir, cfg.checkpoint.url):
+        if path and "://" not in path:
+            rel = os.path.relpath(os.path.abspath(path), cwd)
+            if rel != "." and not rel.startswith(".."):
+                excludes.append(f"/{rel}")
+    return {"working_dir": cwd, "excludes": excludes}

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from orchestrator.errors import UserError
-from orchestrator.lifecycle.record import read_record
+from orchestrator.launch_record import read_record
 from orchestrator.rundir import EVENTS_FILE, LAUNCH_FILE, METRICS_FILE, ORCH_LOG, EventName, read_jsonl
 
 RUNS_ROOT = "runs"  # where launches without run.dir= go (launch.resolve_run_dir), relative to the current dir

@@ -1,7 +1,8 @@
 """The launch plan: what will run where, frozen and printable. Planning is pure: no processes, no network.
 
-The same plan feeds every launcher and ``orch launch --dry-run``: per node, the exact torchrun command line
-and the environment added to it, the rendezvous endpoint, and the settings that shape the job.
+The same plan feeds every launcher and ``orch launch --dry-run``: per node, the agent's template (its torchrun
+command but for the rendezvous each agent gets from the fault-tolerance mode), the environment added to it and,
+where a site pins nodes to hosts, the host; the rendezvous endpoint, and the settings that shape the job.
 """
 
 from __future__ import annotations
@@ -14,36 +15,33 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 from orchestrator.config.schema import OrchConfig
-from orchestrator.ft import ADDR_ENV, QUORUM_ENV
+from orchestrator.ft.driver import DriverMode, driver_mode
+from orchestrator.plan.agent import AgentTemplate
+from orchestrator.plan.hosts import HostRecord
 from orchestrator.preemption.notices import SIGTERM_NOTICE_ENV, SIGTERM_NOTICE_FILE
-from orchestrator.rendezvous.args import rendezvous_argv, rendezvous_conf, rendezvous_env
+from orchestrator.rendezvous.args import rendezvous_conf, rendezvous_env
 from orchestrator.rundir import CONFIG_FILE, PLAN_FILE  # noqa: F401 (re-exported)
-from orchestrator.testcluster.state import ClusterState, NodeHost, enter_argv
 
 PORT_PLACEHOLDER = "<port chosen at launch>"
+SECRET_SHOWN = "<secret>"  # what --dry-run shows for the run's secret in an agent's environment
 FROM_ENVIRON: Any = object()  # build_plan's default devices: those this process's CUDA_VISIBLE_DEVICES lists
+BUILTIN_TRAINER = "orchestrator.runtime.train"  # python -m ...: the built-in trainer
 
 
 @dataclass(frozen=True)
 class NodePlan:
-    """One simulated or real node: a torchrun agent command line and the environment added to it."""
+    """One simulated or real node: its agent's template, the environment added to it, and its host."""
 
     node: int
-    argv: tuple[str, ...]
+    agent: AgentTemplate
     env: dict[str, str]
-    netns: Optional[str] = None
-    """Test clusters (``cluster.testcluster``): the network namespace the agent runs in; None: this host's."""
-    hostname: Optional[str] = None
-    """Test clusters: the node's hostname (its agent's UTS hostname and ``--local-addr``)."""
-    address: Optional[str] = None
-    """Test clusters: the node's address (with launcher=ray, its agent goes on the Ray node with this IP)."""
+    host: Optional[HostRecord] = None
+    """Where the node runs when its site pins nodes to hosts (a test cluster); None: wherever the pool places it."""
+    argv: tuple[str, ...] = ()
+    """The command of the node's first agent (what ``--dry-run`` and ``plan.json`` show)."""
 
     def command_line(self) -> str:
-        return shlex.join(self.argv)
-
-    def launch_argv(self) -> tuple[str, ...]:
-        """What a launcher on this machine runs: ``argv``, entered into the node's namespace if it has one."""
-        return enter_argv(self.netns, self.hostname, self.argv) if self.netns else self.argv
+        return shlex.join(self.host.run(self.argv) if self.host else self.argv)
 
 
 @dataclass(frozen=True)
@@ -64,6 +62,8 @@ class LaunchPlan:
     entrypoint: tuple[str, ...]
     settings: dict[str, Any]
     nodes: tuple[NodePlan, ...]
+    notes: tuple[str, ...] = ()
+    """What ``--dry-run`` warns about (a cluster shape the fault-tolerance mode handles poorly, say)."""
 
     @property
     def world_size_range(self) -> tuple[int, int]:
@@ -72,7 +72,9 @@ class LaunchPlan:
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "world_size_range": list(self.world_size_range)}, indent=2)
 
-    def format_text(self) -> str:
+    def format_text(self, secret_env: Sequence[str] = ()) -> str:
+        """The plan as ``--dry-run`` prints it; ``secret_env``: variables every agent gets whose values are
+        never shown (the run's secret)."""
         lo, hi = self.world_size_range
         lines = [
             f"launch plan for preset {self.preset!r} (run id {self.run_id})",
@@ -87,15 +89,13 @@ class LaunchPlan:
         ]
         for group, values in self.settings.items():
             lines.append(f"  {group + ':':<13} " + ", ".join(f"{k}={v}" for k, v in values.items()))
-        if self.settings.get("fault_tolerance", {}).get("mode") == "per_step" and self.min_nodes == self.max_nodes > 1:
-            lines.append(f"  note:         per_step with MIN = MAX = {self.max_nodes} nodes: the survivors of a loss keep "
-                         f"their state but train only once a replacement joins (cluster.nnodes=1:{self.max_nodes} "
-                         "lets them go on)")
+        lines += [f"  note:         {note}" for note in self.notes]
         for node in self.nodes:
             lines.append(f"  node {node.node}:")
-            if node.netns:
-                lines.append(f"    host: {node.hostname} (ip netns exec {node.netns})")
-            lines.append(f"    env: {' '.join(f'{k}={shlex.quote(v)}' for k, v in sorted(node.env.items()))}")
+            if node.host:
+                lines.append(f"    host: {node.host.hostname} at {node.host.address}")
+            env = {**node.env, **dict.fromkeys(secret_env, SECRET_SHOWN)}
+            lines.append(f"    env: {' '.join(f'{k}={shlex.quote(v)}' for k, v in sorted(env.items()))}")
             lines.append(f"    cmd: {node.command_line()}")
         return "\n".join(lines)
 
@@ -107,32 +107,7 @@ def entrypoint_argv(cfg: OrchConfig, run_dir: str) -> tuple[str, ...]:
         return (e.script, *map(str, e.args))
     if e.module:
         return ("-m", e.module, *map(str, e.args))
-    return ("-m", "orchestrator.runtime.train", "--config", f"{run_dir}/{CONFIG_FILE}")
-
-
-def torchrun_argv(cfg: OrchConfig, node: int, run_id: str, endpoint: str, run_dir: str,
-                  python: str, local_addr: Optional[str] = None) -> tuple[str, ...]:
-    c = cfg.cluster
-    # per_step: every node is a replica group of its own (one-node rendezvous, its own id per agent, given by
-    # the controller): losing a node never touches another node's group. The quorum across them is torchft's.
-    nnodes = "1" if cfg.fault_tolerance.mode == "per_step" else f"{c.min_nodes}:{c.max_nodes}"
-    # On a test cluster the agent names its own host; rank 0's name becomes the workers' MASTER_ADDR.
-    addr = (f"--local-addr={local_addr}",) if local_addr else ()
-    # The role names the node, so torchrun's --tee prefixes each worker line with node and local rank
-    # ("[node1-local0]:"); per-rank, per-attempt log files go under the run dir's logs/.
-    return (
-        python, "-m", "torch.distributed.run",
-        f"--nnodes={nnodes}",
-        f"--nproc-per-node={c.nproc_per_node}",
-        *rendezvous_argv(cfg, endpoint, run_id),
-        f"--max-restarts={c.max_restarts}",
-        *addr,
-        "--monitor-interval=0.5",
-        f"--role=node{node}-local",
-        "--tee=3",
-        f"--log-dir={run_dir}/logs/torchrun/node{node}",
-        *entrypoint_argv(cfg, run_dir),
-    )
+    return ("-m", BUILTIN_TRAINER, "--config", f"{run_dir}/{CONFIG_FILE}")
 
 
 def visible_devices(environ: Mapping[str, str]) -> Optional[list[str]]:
@@ -181,41 +156,37 @@ def node_env(cfg: OrchConfig, node: int, run_dir: str, run_id: str,
     return env
 
 
-def per_step_env(cfg: OrchConfig, gate: str, address: str) -> dict[str, str]:
-    """fault_tolerance.mode=per_step: where the quorum service is (the run's gate, ``gate``), and the address
-    this node's peer state server binds (the run's secret is added when an agent starts, never in the plan)."""
-    if cfg.fault_tolerance.mode != "per_step":
-        return {}
-    return {QUORUM_ENV: gate, ADDR_ENV: address}
-
-
-def testcluster_env(host: NodeHost) -> dict[str, str]:
-    """A test-cluster node's interface for gloo (and TensorPipe): traffic leaves through its own veth."""
-    return {"GLOO_SOCKET_IFNAME": host.ifname, "TP_SOCKET_IFNAME": host.ifname, "ORCH_TESTCLUSTER_HOST": host.hostname}
-
-
 def build_plan(cfg: OrchConfig, run_dir: str, run_id: str, store_port: Optional[int] = None,
-               python: str = sys.executable, testcluster: Optional[ClusterState] = None,
-               devices: Optional[Sequence[str]] = FROM_ENVIRON) -> LaunchPlan:
-    """The plan for ``cfg``. ``store_port`` is known once the launcher hosts the store; a dry run has none.
-    ``testcluster`` (the saved state of ``cluster.testcluster``, read by the caller) puts node i on its host i,
-    with the store on the cluster's bridge address. ``devices``: the GPUs simulated CUDA nodes split (see
-    :func:`node_gpus`); by default this process's ``CUDA_VISIBLE_DEVICES`` (unset: every device by index).
-    The plan's env is orch's own per node; the driver's forwarded variables are added when an agent starts
-    (orchestrator/controller/agent_env.py), so no secret reaches ``plan.json``."""
+               store_host: Optional[str] = None, hosts: Optional[Sequence[HostRecord]] = None,
+               python: str = sys.executable, devices: Optional[Sequence[str]] = FROM_ENVIRON,
+               mode: Optional[DriverMode] = None, node_address: Optional[str] = None) -> LaunchPlan:
+    """The plan for ``cfg``. ``store_port`` is known once the launch binds the store; a dry run has none.
+    ``store_host``: where agents dial the store (default ``rendezvous.host``; a site may know better: the Ray
+    driver's IP, a test cluster's bridge). ``hosts``: node i runs on ``hosts[i]`` (a site that pins nodes).
+    ``devices``: the GPUs simulated CUDA nodes split (see :func:`node_gpus`); by default this process's
+    ``CUDA_VISIBLE_DEVICES`` (unset: every device by index). ``mode``: the fault-tolerance mode's driver side
+    (default: the config's). ``node_address``: a node's own address where no host pins it (default
+    ``rendezvous.host``; a site whose machines are known only at start passes a placeholder its pool fills in). The plan's env is orch's own per node; the driver's forwarded variables and the
+    run's secret are added when an agent starts (orchestrator/controller/agent_env.py), so no secret reaches
+    ``plan.json``."""
     if devices is FROM_ENVIRON:
         devices = visible_devices(os.environ)
+    mode = mode or driver_mode(cfg)
     port = store_port or cfg.rendezvous.port or PORT_PLACEHOLDER
-    endpoint = f"{testcluster.bridge_address if testcluster else cfg.rendezvous.host}:{port}"
-    hosts = testcluster.nodes if testcluster else [None] * cfg.cluster.max_nodes
-    nodes = tuple(NodePlan(node=i, argv=torchrun_argv(cfg, i, run_id, endpoint, run_dir, python,
-                                                      local_addr=host.hostname if host else None),
-                           env={**node_env(cfg, i, run_dir, run_id, devices),
-                                **(testcluster_env(host) if host else {}),
-                                **per_step_env(cfg, endpoint, host.address if host else cfg.rendezvous.host)},
-                           netns=host.netns if host else None, hostname=host.hostname if host else None,
-                           address=host.address if host else None)
-                  for i, host in zip(range(cfg.cluster.max_nodes), hosts))
+    endpoint = f"{store_host or cfg.rendezvous.host}:{port}"
+    conf = rendezvous_conf(cfg)
+    c = cfg.cluster
+    nodes = []
+    for i in range(c.max_nodes):
+        host = hosts[i] if hosts else None
+        agent = AgentTemplate(python=python, nproc_per_node=c.nproc_per_node, rendezvous_endpoint=endpoint,
+                              rendezvous_conf=conf, max_restarts=c.max_restarts, role=f"node{i}-local",
+                              log_dir=f"{run_dir}/logs/torchrun/node{i}", entrypoint=entrypoint_argv(cfg, run_dir),
+                              local_addr=host.hostname if host else None)
+        first = mode.agent_rendezvous(run_id, i, i, 0)
+        env = {**node_env(cfg, i, run_dir, run_id, devices), **(host.env if host else {}),
+               **mode.plan_env(endpoint, host.address if host else node_address or cfg.rendezvous.host)}
+        nodes.append(NodePlan(node=i, agent=agent, env=env, host=host, argv=agent.command(first)))
     ckpt = cfg.checkpoint
     settings = {
         "ddp": asdict(cfg.ddp),
@@ -223,10 +194,7 @@ def build_plan(cfg: OrchConfig, run_dir: str, run_id: str, store_port: Optional[
                 "grad_scaler": cfg.amp.enabled and cfg.amp.dtype == "fp16"},
         "checkpoint": {"url": ckpt.url or f"{run_dir}/checkpoints", "every_n_steps": ckpt.every_n_steps,
                        "keep_last": ckpt.keep_last, "async": ckpt.async_save, "resume": ckpt.resume},
-        "fault_tolerance": {"mode": cfg.fault_tolerance.mode,
-                            **({"heartbeat_timeout_ms": cfg.fault_tolerance.heartbeat_timeout_ms,
-                                "collective_timeout_s": cfg.fault_tolerance.collective_timeout_s}
-                               if cfg.fault_tolerance.mode == "per_step" else {})},
+        "fault_tolerance": mode.plan_settings(),
         "trainer": {"max_steps": cfg.trainer.max_steps, "global_batch_size": cfg.trainer.global_batch_size,
                     "micro_batch_size": cfg.trainer.micro_batch_size},
         "model": {"target": cfg.model.get("_target_")},
@@ -235,5 +203,6 @@ def build_plan(cfg: OrchConfig, run_dir: str, run_id: str, store_port: Optional[
         preset=cfg.preset, run_id=run_id, run_dir=run_dir, launcher=cfg.launcher, backend=cfg.backend.name,
         device=cfg.cluster.device, min_nodes=cfg.cluster.min_nodes, max_nodes=cfg.cluster.max_nodes,
         nproc_per_node=cfg.cluster.nproc_per_node, rendezvous_endpoint=endpoint, rendezvous_conf=rendezvous_conf(cfg),
-        entrypoint=entrypoint_argv(cfg, run_dir), settings=settings, nodes=nodes,
+        entrypoint=entrypoint_argv(cfg, run_dir), settings=settings, nodes=tuple(nodes),
+        notes=tuple(mode.plan_notes()),
     )

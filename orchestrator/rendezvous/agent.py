@@ -27,7 +27,7 @@ from orchestrator.rundir import EventLog, EventName
 from orchestrator.trust.relay import LocalRelay
 from orchestrator.trust.secret import RUN_SECRET_ENV
 
-MODULE = "orchestrator.rendezvous.agent"  # run in torchrun's place: python -m orchestrator.rendezvous.agent
+from orchestrator.rendezvous.args import AGENT_MODULE as MODULE  # python -m orchestrator.rendezvous.agent
 RUN_STORE_ENV = "ORCH_RUN_STORE"  # 127.0.0.1:PORT of this agent's relay to the run's store (for its workers)
 RUN_ROUTE = "store/run"
 ENDPOINT_FLAG, BACKEND_FLAG = "--rdzv-endpoint=", "--rdzv-backend="

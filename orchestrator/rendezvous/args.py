@@ -4,7 +4,19 @@ torch, no network."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from orchestrator.config.schema import OrchConfig
+
+@dataclass(frozen=True)
+class AgentRendezvous:
+    """One agent's rendezvous, as its fault-tolerance mode gives it: the id, torchrun's ``--nnodes`` and the
+    environment the mode adds (orchestrator/ft/driver.py)."""
+
+    id: str
+    nnodes: str
+    env: dict[str, str] = field(default_factory=dict)
+
 
 BACKEND = "c10d"
 """torch's c10d rendezvous backend: the state lives in a plain c10d store, the one orch hosts."""
@@ -17,14 +29,26 @@ def rendezvous_conf(cfg: OrchConfig) -> str:
             f"keep_alive_interval={r.keep_alive_interval_s},keep_alive_max_attempt={r.keep_alive_max_attempt}")
 
 
-def rendezvous_argv(cfg: OrchConfig, endpoint: str, run_id: str) -> tuple[str, ...]:
-    """torchrun's ``--rdzv-*`` flags: rendezvous ``run_id`` on the c10d store at ``endpoint`` (host:port)."""
+def rendezvous_argv(endpoint: str, run_id: str, conf: str) -> tuple[str, ...]:
+    """torchrun's ``--rdzv-*`` flags: rendezvous ``run_id`` on the c10d store at ``endpoint`` (host:port), with
+    ``conf`` (:func:`rendezvous_conf`). An agent run through :data:`AGENT_MODULE` swaps the backend for orch's."""
     return (
         f"--rdzv-backend={BACKEND}",
         f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={run_id}",
-        f"--rdzv-conf={rendezvous_conf(cfg)}",
+        f"--rdzv-conf={conf}",
     )
+
+
+AGENT_MODULE = "orchestrator.rendezvous.agent"
+"""What runs in torchrun's place when the store is gated: torchrun behind relays and orch's rendezvous backend
+(:mod:`orchestrator.rendezvous.agent`)."""
+
+
+def agent_prefix(python: str, gated: bool) -> tuple[str, ...]:
+    """The start of an agent's command: orch's agent module for a gated store (every store a launch hosts),
+    torchrun itself for one without the run's secret (``k8s.run_secret=''``)."""
+    return (python, "-m", AGENT_MODULE if gated else "torch.distributed.run")
 
 
 def rendezvous_env() -> dict[str, str]:

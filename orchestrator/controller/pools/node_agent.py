@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from orchestrator.processes import NodeProcess, kill_tree, terminate_tree
-from orchestrator.ft import ADDR_ENV
-from orchestrator.controller.api import AgentSpec
+from orchestrator.controller.api import NODE_ADDRESS, AgentSpec
 from orchestrator.controller.pools import DEATH_SIGNAL
 
 PARENT_ENV = "ORCH_AGENT_PARENT_PID"
@@ -67,10 +66,11 @@ class NodeAgent:
                 os.chdir(spec.cwd)
             argv = (sys.executable, "-c", DIE_WITH_PARENT, *spec.argv[1:])
             env = {**spec.env, PARENT_ENV: str(os.getpid())}
-            if ADDR_ENV in env:  # per_step: peers fetch this node's state at this machine's address
+            if NODE_ADDRESS in env.values():  # what the plan could not know: the machine this agent landed on
                 import ray
 
-                env[ADDR_ENV] = ray.util.get_node_ip_address()
+                ip = ray.util.get_node_ip_address()
+                env = {k: ip if v == NODE_ADDRESS else v for k, v in env.items()}
             self._proc = NodeProcess(spec.node, argv, env, Path(spec.log_path), echo=None, on_line=self._watch)
         except BaseException as exc:
             failure.append(exc)

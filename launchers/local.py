@@ -1,0 +1,63 @@
+"""``launcher=local``: every node of the plan as a torchrun agent process on this machine, run by the one
+controller (orchestrator/controller/) through a local node pool. No Ray.
+
+The launch hosts the rendezvous store itself (agents use ``is_host=false``), so killing any simulated node
+never takes rendezvous down; with an elastic ``cluster.nnodes=MIN:MAX`` the survivors re-rendezvous and go on,
+and a lost or preempted node's slot is filled again. Inside a Kubernetes pod (``cluster.node_index``) it runs
+the one node of that pod against the job's store (``rendezvous.external``: ``orch rendezvous-store`` behind a
+Service), hosting none itself. On a test cluster (``cluster.testcluster``) each node's agent runs on its own
+host (``launchers/testcluster.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, TextIO
+
+from launchers.runner import SiteBase
+from orchestrator.config.schema import OrchConfig
+from orchestrator.controller.api import NodePool, RunHooks
+from orchestrator.controller.pools.local import LocalNodePool
+from orchestrator.rundir import EventLog
+
+
+class LocalSite(SiteBase):
+    """Every node on this machine, as a process of this launch."""
+
+    name = "local"
+
+    def store_host(self) -> Optional[str]:
+        return None if self.cfg.rendezvous.external else self.cfg.rendezvous.host
+
+    def start(self, events: EventLog, store: Any, since: float) -> tuple[NodePool, RunHooks]:
+        # Room for every node and, on a notice, its standby: simulated nodes share this machine.
+        return LocalNodePool(slots=2 * len(self.node_indexes), echo=self.echo), RunHooks()
+
+
+class PodHooks(RunHooks):
+    """A pod plays one node of a job: the run's records (rank 0's) may be written in another pod's run dir."""
+
+    records_training = False
+
+
+class PodSite(LocalSite):
+    """One node of a multi-pod job (a Kubernetes pod): ``cluster.node_index``, against the job's store."""
+
+    def __init__(self, cfg: OrchConfig, run_id: str, echo: Optional[TextIO] = None):
+        super().__init__(cfg, run_id, echo)
+        self.node_indexes = [cfg.cluster.node_index]
+        self.nodes_here = 1
+
+    def start(self, events: EventLog, store: Any, since: float) -> tuple[NodePool, RunHooks]:
+        pool, _ = super().start(events, store, since)
+        return pool, PodHooks()
+
+
+def make_site(cfg: OrchConfig, run_id: str, echo: Optional[TextIO] = None) -> SiteBase:
+    """``launcher=local``'s site: a test cluster's hosts, a pod's node, or every node here."""
+    if cfg.cluster.testcluster:
+        from launchers.testcluster import LocalTestClusterSite
+
+        return LocalTestClusterSite(cfg, run_id, echo)
+    if cfg.cluster.node_index is not None:
+        return PodSite(cfg, run_id, echo)
+    return LocalSite(cfg, run_id, echo)

@@ -1,1 +1,0 @@
-"""Launchers: one module per backend, each turning a LaunchPlan into running torchrun agents."""
