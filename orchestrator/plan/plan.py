@@ -25,7 +25,7 @@ from orchestrator.rundir import CONFIG_FILE, PLAN_FILE  # noqa: F401 (re-exporte
 PORT_PLACEHOLDER = "<port chosen at launch>"
 SECRET_SHOWN = "<secret>"  # what --dry-run shows for the run's secret in an agent's environment
 FROM_ENVIRON: Any = object()  # build_plan's default devices: those this process's CUDA_VISIBLE_DEVICES lists
-BUILTIN_TRAINER = "orchestrator.runtime.train"  # python -m ...: the built-in trainer
+BUILTIN_TRAINER = "orchestrator.trainer.train"  # python -m ...: the built-in trainer
 
 
 @dataclass(frozen=True)
