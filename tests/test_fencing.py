@@ -15,7 +15,7 @@ import torch
 from orchestrator.checkpoint import CheckpointError, CheckpointManager, step_dirname
 from orchestrator.checkpoint.lease import LEGACY_LEASE_NAME, Lease, LeaseKeeper, LeaseRecord, lease_name
 from orchestrator.errors import ConfigError
-from orchproc import orch_here, read_jsonl, run_orch, start_orch, stop_tree, unused_pid, wait_for
+from orchproc import orch_here, read_jsonl, start_orch, stop_tree, unused_pid, wait_for
 
 
 def state(step: int) -> dict:
@@ -215,7 +215,9 @@ def test_ckpt_inspect_exits_2_for_a_checkpoint_load_skips(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_second_launch_on_a_live_checkpoint_url_exits_2_naming_the_first(tmp_path, s3_bucket):
+def test_second_launch_on_a_live_checkpoint_url_exits_2_naming_the_first(tmp_path, s3_bucket, capsys):
+    """A real first launch holds the S3 lease; the second, refused before it starts anything, runs the CLI's
+    main in this process (the orch command's own process is tests/test_bad_inputs.py's)."""
     ckpt = f"checkpoint.url=s3://{s3_bucket}/shared"
     common = ["launch", "conf=cpu_gloo", "launcher=local", "model._target_=testmodels.SlowMLM", "+model.delay_s=0.03",
               "trainer.max_steps=400", ckpt]
@@ -223,7 +225,7 @@ def test_second_launch_on_a_live_checkpoint_url_exits_2_naming_the_first(tmp_pat
     try:
         started = wait_for(lambda: [e for e in read_jsonl(tmp_path / "first" / "events.jsonl")
                                     if e["event"] == "launch_started"], 120, "the first launch")
-        second = run_orch(*common, f"run.dir={tmp_path / 'second'}", timeout=120)
+        second = orch_here(capsys, *common, f"run.dir={tmp_path / 'second'}")
         assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
         assert f"is in use by live run {started[0]['run_id']}" in second.stderr and "checkpoint.url" in second.stderr
         assert not (tmp_path / "second").exists()

@@ -58,8 +58,10 @@ def test_ddp_flags_reach_ddp_unused_branch(tmp_path, find_unused):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_amp_runs_on_cpu(tmp_path, dtype):
+    """One node: autocast and the GradScaler are each rank's own (DDP over two nodes is the first test's)."""
     run_dir = tmp_path / "run"
-    result = run_orch("launch", "conf=cpu_gloo", LOCAL, *FAST, "amp.enabled=true", f"amp.dtype={dtype}", f"run.dir={run_dir}")
+    result = run_orch("launch", "conf=cpu_gloo", LOCAL, *FAST, "cluster.nnodes=1", "amp.enabled=true",
+                      f"amp.dtype={dtype}", f"run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert metrics[-1]["step"] == 12

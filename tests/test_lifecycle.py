@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from orchproc import ORCH, orch_env, read_jsonl, run_orch, stop_tree, unused_pid, wait_for
+from orchproc import ORCH, orch_env, orch_here, read_jsonl, run_orch, stop_tree, unused_pid, wait_for
 
 SLOW = ["model._target_=testmodels.SlowMLM", "+model.delay_s=0.03"]  # 400 steps take long enough to watch
 
@@ -24,7 +24,9 @@ def status_field(out: str, name: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_detached_launch_survives_its_terminal_then_status_logs_stop_resume(tmp_path):
+def test_detached_launch_survives_its_terminal_then_status_logs_stop_resume(tmp_path, capsys):
+    """The launch and its resume are processes of their own (the detached one outlives its terminal); status,
+    logs and stop, which read the run dir and signal the detached process, run the CLI's main in this process."""
     run_dir = tmp_path / "run"
     launch = [*ORCH, "launch", "conf=cpu_gloo", "trainer.max_steps=400", *SLOW, f"run.dir={run_dir}", "--detach"]
     # A "terminal": its own session, which launches and then hangs up on its whole process group, as closing a
@@ -36,7 +38,7 @@ def test_detached_launch_survives_its_terminal_then_status_logs_stop_resume(tmp_
         assert terminal.returncode == -signal.SIGHUP, terminal.stderr  # the terminal died of the hangup
         assert f"run dir: {run_dir}" in terminal.stdout and "run id: cpu-gloo-" in terminal.stdout
         def step() -> int:
-            status = run_orch("status", str(run_dir), timeout=60)
+            status = orch_here(capsys, "status", str(run_dir))
             assert status.returncode == 0, status.stderr
             state = status_field(status.stdout, "state")
             assert state in ("starting", "running"), status.stdout
@@ -45,12 +47,12 @@ def test_detached_launch_survives_its_terminal_then_status_logs_stop_resume(tmp_
         first = wait_for(step, 150, "a step in orch status", interval=1.0)
         wait_for(lambda: step() > first, 60, "the step count to grow", interval=1.0)
 
-        logs = run_orch("logs", str(run_dir), timeout=60)
+        logs = orch_here(capsys, "logs", str(run_dir))
         assert logs.returncode == 0 and "[rank0] step " in logs.stdout, logs.stderr
-        node_log = run_orch("logs", str(run_dir), "--node", "1", timeout=60)
+        node_log = orch_here(capsys, "logs", str(run_dir), "--node", "1")
         assert node_log.returncode == 0 and "world size 2" in node_log.stdout, node_log.stderr
 
-        stopped = run_orch("stop", str(run_dir), timeout=200)
+        stopped = orch_here(capsys, "stop", str(run_dir))
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
         assert "stopped at step" in stopped.stdout and "emergency checkpoint at step" in stopped.stdout
         wait_for(lambda: not _alive(pid), 30, "the detached process to exit")
@@ -60,7 +62,7 @@ def test_detached_launch_survives_its_terminal_then_status_logs_stop_resume(tmp_
     assert summary["status"] == "stopped" and summary["steps_completed"] < 400
     saved = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "emergency_checkpoint"]
     assert saved, "no emergency checkpoint was written"
-    again = run_orch("stop", str(run_dir), timeout=60)  # a stopped run is not running
+    again = orch_here(capsys, "stop", str(run_dir))  # a stopped run is not running
     assert again.returncode == 2 and "is not running: it ended stopped" in again.stderr
 
     resumed = run_orch("resume", str(run_dir), "trainer.log_every=50", timeout=240)
@@ -71,7 +73,7 @@ def test_detached_launch_survives_its_terminal_then_status_logs_stop_resume(tmp_
     events = read_jsonl(run_dir / "events.jsonl")
     loaded = [e for e in events if e["event"] == "checkpoint_loaded"]
     assert loaded and loaded[-1]["step"] == saved[-1]["step"], (loaded, saved)
-    status = run_orch("status", str(run_dir), timeout=60)
+    status = orch_here(capsys, "status", str(run_dir))
     assert status_field(status.stdout, "state") == "succeeded" and status_field(status.stdout, "step") == "400"
 
 
@@ -159,9 +161,11 @@ def test_cfg_job_version_hydra_keys_and_user_preset_dirs(tmp_path, capsys, monke
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_multirun_sweep_runs_each_combination_in_its_own_run_dir(tmp_path):
+def test_multirun_sweep_runs_each_combination_in_its_own_run_dir(tmp_path, capsys, monkeypatch):
+    """The sweep is one orch command of its own (one node per run: a sweep's runs are what it is about);
+    the status table after it, the CLI's main in this process."""
     out = run_orch("launch", "-m", "conf=cpu_gloo", "trainer.max_steps=5", "optim.lr=1e-3,1e-4", "launcher=local",
-                   cwd=tmp_path, timeout=220)
+                   "cluster.nnodes=1", cwd=tmp_path, timeout=220)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr
     assert "sweep: 2/2 succeeded" in out.stdout
     table = out.stdout.split("sweep: 2/2 succeeded", 1)[1]
@@ -173,5 +177,6 @@ def test_multirun_sweep_runs_each_combination_in_its_own_run_dir(tmp_path):
         assert json.loads((run / "summary.json").read_text())["status"] == "succeeded"
         lrs.add(json.loads((run / "launch.json").read_text())["overrides"][1])
     assert lrs == {"optim.lr=0.001", "optim.lr=0.0001"}
-    table = run_orch("status", cwd=tmp_path)  # the runs under runs/, as a table
+    monkeypatch.chdir(tmp_path)
+    table = orch_here(capsys, "status")  # the runs under runs/, as a table
     assert table.returncode == 0 and table.stdout.count(" succeeded ") == 2, table.stdout

@@ -24,7 +24,7 @@ from orchestrator.checkpoint.fence import LeaseFence
 from orchestrator.checkpoint.lease import Lease, LeaseFollower, LeaseKeeper, lease_name
 from orchestrator.checkpoint.lease_record import pid_namespace
 from orchestrator.errors import ConfigError
-from orchproc import orch_env, read_jsonl, run_orch, start_orch, stop_tree, summary, wait_for
+from orchproc import orch_env, orch_here, read_jsonl, run_orch, start_orch, stop_tree, summary, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -252,11 +252,11 @@ def test_a_pod_with_a_stolen_run_id_cannot_take_verify_or_delete_the_runs_lease(
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_second_launches_against_a_live_run_exit_2_and_touch_nothing(tmp_path):
+def test_second_launches_against_a_live_run_exit_2_and_touch_nothing(tmp_path, capsys, monkeypatch):
     """A real first launch (run.id known to the attacker, default checkpoint dir), then: a launch that names that
     checkpoint dir, a pod (node 0) with the first run's id, and a pod (node 1) with it. Each exits 2 with one
     line naming the key, the value, the live run and the fix, leaves no run dir, and the first run's leases are
-    untouched."""
+    untouched. The second launches are refused before they start anything: the CLI's main in this process."""
     first_dir, run_id = tmp_path / "first", "live-run-1"
     first = start_orch("launch", *SLOW_RUN, "trainer.max_steps=4000", f"run.dir={first_dir}", f"run.id={run_id}",
                        log=tmp_path / "first.log")
@@ -273,10 +273,10 @@ def test_second_launches_against_a_live_run_exit_2_and_touch_nothing(tmp_path):
             "node 0 pod": (["cluster.node_index=0", *pod], "cannot prove it belongs to that run"),
             "node 1 pod": (["cluster.node_index=1", *pod], f"has no live lease of run {run_id}"),
         }
+        monkeypatch.setenv("ORCH_RUN_SECRET", "")
         for i, (name, (extra, words)) in enumerate(attempts.items()):
             second_dir = tmp_path / f"second-{i}"
-            result = run_orch("launch", *SLOW_RUN, f"run.dir={second_dir}", f"checkpoint.url={ckpt}", *extra,
-                              timeout=120, env={"ORCH_RUN_SECRET": ""})
+            result = orch_here(capsys, "launch", *SLOW_RUN, f"run.dir={second_dir}", f"checkpoint.url={ckpt}", *extra)
             assert result.returncode == 2 and result.stderr.count("\n") == 1, (name, result.stderr)
             assert result.stderr.startswith(f"orch: error: checkpoint.url='{ckpt}' ") and "Fix:" in result.stderr, (
                 name, result.stderr)
@@ -382,7 +382,7 @@ def test_retention_never_deletes_steps_copied_from_another_run(root, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_launch_resuming_from_copied_checkpoints_keeps_the_copies(tmp_path):
-    common = ["launch", "conf=cpu_gloo", "launcher=local", "checkpoint.every_n_steps=2"]
+    common = ["launch", "conf=cpu_gloo", "launcher=local", "cluster.nnodes=1", "checkpoint.every_n_steps=2"]
     first = run_orch(*common, "trainer.max_steps=6", "checkpoint.keep_last=3", f"run.dir={tmp_path / 'a'}",
                      timeout=240)
     assert first.returncode == 0, first.stderr[-3000:]
