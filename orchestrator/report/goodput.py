@@ -19,9 +19,11 @@ to ``run_finished``) is then productive step time plus these badput categories, 
   to the first sign of the failure: a partial step, steps not yet logged).
 - ``shutdown_s``: after the last logged step until the run finished (final checkpoint wait, processes
   exiting, agents collected).
-- ``quorum_wait_s``, ``healing_s``, ``discarded_s`` (``fault_tolerance.mode=per_step`` only): inside the
-  step windows, the leading group's time forming each step's quorum, in quorums where a group healed (a new
-  or returning one loading a peer's state), and in steps that did not commit (redone by the next quorum).
+- a fault-tolerance mode's own categories, inside the step windows, which its workers log per metrics window
+  (a record's ``ft``: ``{"<category>_s": seconds}``); ``fault_tolerance.mode=per_step`` logs ``quorum_wait_s``,
+  ``healing_s``, ``discarded_s``: the leading group's time forming each step's quorum, in quorums where a group
+  healed (a new or returning one loading a peer's state), and in steps that did not commit (redone by the
+  next quorum).
 - ``other_s``: the remainder (what no event bounds, e.g. the preemption agreement before an emergency save).
 
 Each gap between two attempts (and the launch before the first) is cut at the next attempt's start-up
@@ -40,7 +42,6 @@ from orchestrator.rundir import EventName
 
 CATEGORIES = ("launch", "waiting_for_nodes", "rendezvous", "worker_start", "restore", "checkpoint_stall", "lost",
               "shutdown", "other")
-PER_STEP_CATEGORIES = ("quorum_wait", "healing", "discarded")
 # The segment of a recovery that ends at each start-up milestone, in order (the first one's label is launch or
 # waiting_for_nodes); the segment after the last known milestone, up to the first step, is worker_start.
 MILESTONE_SEGMENTS = (("agent_start_t", None), ("process_start_t", "rendezvous"), ("entry_t", "worker_start"),
@@ -196,15 +197,17 @@ def _move_save_stalls(events: list[dict[str, Any]], steps: Steps, starts: list[f
     return pending
 
 
-def _move_per_step_seconds(metrics: list[dict[str, Any]], totals: dict[str, float]) -> bool:
-    """per_step runs log, per metrics window, the seconds their step windows spent in quorums, healing and
-    discarded steps: move them from productive time to their badput categories. Returns whether it is one."""
+def _move_mode_seconds(metrics: list[dict[str, Any]], totals: dict[str, float]) -> list[str]:
+    """A fault-tolerance mode's workers log, per metrics window, the seconds their step windows spent in the
+    mode's own categories (``ft``): move them from productive time to those badput categories. Returns the
+    categories, in the order logged."""
     windows = [m["ft"] for m in metrics if isinstance(m.get("ft"), dict)]
-    for key in PER_STEP_CATEGORIES:
-        seconds = min(sum(w.get(f"{key}_s", 0.0) for w in windows), totals["productive"])
+    categories = list(dict.fromkeys(k[:-2] for w in windows for k in w if k.endswith("_s")))
+    for key in categories:
+        seconds = min(sum(float(w.get(f"{key}_s", 0.0)) for w in windows), totals["productive"])
         totals["productive"] -= seconds
         totals[key] = totals.get(key, 0.0) + seconds
-    return bool(windows)
+    return categories
 
 
 def compute_goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -219,7 +222,7 @@ def compute_goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]])
     totals: dict[str, float] = {"productive": sum(s for _, s in steps.kept.values()), "lost": sum(steps.lost.values())}
 
     pending_stall = _move_save_stalls(events, steps, starts, totals)
-    per_step = _move_per_step_seconds(metrics, totals)
+    mode_categories = _move_mode_seconds(metrics, totals)
     attempts = sorted(steps.attempts.values(), key=lambda a: a.first_t)
     recoveries: list[dict[str, Any]] = []
     gap_start, previous = start, None
@@ -244,8 +247,7 @@ def compute_goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]])
     tl.to(end, "shutdown")
 
     productive = totals.pop("productive")
-    badput = {f"{k}_s": totals.get(k, 0.0) for k in (*CATEGORIES, *(PER_STEP_CATEGORIES if per_step else ()))
-              if k != "other"}
+    badput = {f"{k}_s": totals.get(k, 0.0) for k in (*CATEGORIES, *mode_categories) if k != "other"}
     badput["other_s"] = max(0.0, wall - productive - sum(badput.values()))
     return {"goodput": productive / wall, "productive_s": productive, "wall_s": wall, "lost_steps": len(steps.lost),
             "badput": {k: round(v, 4) for k, v in badput.items()}, "attempts": recoveries}
