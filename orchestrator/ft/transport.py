@@ -76,7 +76,8 @@ class PeerStateTransport(CheckpointTransport[Any]):
         host, _, port = metadata[len(SCHEME):].rpartition(":")
         sock = connect((host, int(port)), self.secret, f"{ROUTE_PREFIX}{step}", timeout.total_seconds())
         try:
-            sock.settimeout(timeout.total_seconds())
+            # The source waits up to its own timeout for the step to be staged, then answers: wait longer.
+            sock.settimeout(2 * timeout.total_seconds() + 10)
             status = recv_json(sock)
             if not status.get("ok"):
                 raise RuntimeError(f"peer {metadata} has no state for step {step}: {status.get('error')}")

@@ -219,7 +219,8 @@ class ClusterWatch:
                 workers = psutil.Process(pid).children()
                 conns = nx.tcp_connections(host.netns)
                 for w in workers:
-                    mine = [c for c in conns if w.pid in c["pids"]]
+                    # Loopback is the worker's own host (its agent's store relay): only what leaves it counts.
+                    mine = [c for c in conns if w.pid in c["pids"] and not _loopback(c["local"])]
                     ranks.append({"rank": int(w.environ().get("RANK", -1)), "node": node, "host": host.hostname,
                                   "address": host.address, "pid": w.pid,
                                   "local_addresses": sorted({c["local"].rsplit(":", 1)[0] for c in mine}),
@@ -251,3 +252,9 @@ class ClusterWatch:
 
     def close(self) -> None:
         self.rounds.close()
+
+
+def _loopback(endpoint: str) -> bool:
+    """``ADDRESS:PORT`` (``ss``'s form) is on a loopback address."""
+    address = endpoint.rsplit(":", 1)[0].strip("[]")
+    return address.startswith(("127.", "::ffff:127.")) or address == "::1"
