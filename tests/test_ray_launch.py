@@ -1,7 +1,8 @@
 """The Ray launcher for real: `orch launch` as users run it, on the embedded Ray and on a multi-node Ray cluster
 on this machine (``ray.cluster_utils.Cluster``: a head with no CPUs and three 1-CPU nodes, so each node agent
 gets a Ray node of its own), with real torchrun agents and gloo workers. Nodes are lost by removing their Ray
-node, and gained by adding one.
+node, and gained by adding one. All slow but an unreachable cluster address, refused before anything starts
+(the CLI's main in this process).
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from orchproc import read_jsonl, run_orch, start_orch, stop_tree, summary, wait_for
+from orchproc import orch_here, read_jsonl, run_orch, start_orch, stop_tree, summary, wait_for
 
-pytestmark = pytest.mark.slow
 WORKER_NODES = 3
 
 
@@ -32,10 +32,11 @@ def stop_run(proc, run_dir: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_unreachable_cluster_address_exits_2_in_seconds_and_writes_nothing(tmp_path):
+def test_unreachable_cluster_address_exits_2_in_seconds_and_writes_nothing(tmp_path, capsys):
     run_dir = tmp_path / "run"
     started = time.monotonic()
-    result = run_orch("launch", "conf=cpu_gloo", "launcher=ray", "cluster.address=127.0.0.1:1", f"run.dir={run_dir}")
+    result = orch_here(capsys, "launch", "conf=cpu_gloo", "launcher=ray", "cluster.address=127.0.0.1:1",
+                       f"run.dir={run_dir}")
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("orch: error: cluster.address='127.0.0.1:1': no Ray cluster answers"), lines
@@ -44,6 +45,7 @@ def test_unreachable_cluster_address_exits_2_in_seconds_and_writes_nothing(tmp_p
     assert not run_dir.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_embedded_ray_runs_cpu_gloo(tmp_path):
     run_dir = tmp_path / "run"
@@ -105,6 +107,7 @@ def timeline(run_dir: Path) -> str:
                      for e in events)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_lost_node_shrinks_the_job_and_a_new_node_grows_it_back(cluster, tmp_path):
     """2..3 nodes: remove the Ray node under node 1 mid-run (the survivors go on at 2), then add a Ray node
@@ -135,6 +138,7 @@ def test_lost_node_shrinks_the_job_and_a_new_node_grows_it_back(cluster, tmp_pat
     assert not events_of(run_dir, "node_failed"), "a lost node is not a failure"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_user_code_failure_exhausts_max_failures_and_names_the_rank(cluster, tmp_path):
     run_dir = tmp_path / "run"
@@ -158,6 +162,7 @@ def test_user_code_failure_exhausts_max_failures_and_names_the_rank(cluster, tmp
     assert len(attempts) == 2, "the restart used a fresh rendezvous"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_below_min_nodes_for_longer_than_wait_for_nodes_fails_saying_so(cluster, tmp_path):
     run_dir = tmp_path / "run"

@@ -1,4 +1,5 @@
-"""Checkpoint and resume through real launches: exact resume, resume at another world size, S3, bad URLs."""
+"""Checkpoint and resume through real launches (slow): exact resume, resume at another world size, S3; and bad
+checkpoint URLs, refused before a launch starts anything (the CLI's main in this process)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import torch
 
 from orchestrator.processes import kill_tree
 from orchestrator.checkpoint import CheckpointManager
-from orchproc import read_jsonl, run_orch, start_orch, stop_tree, summary, wait_for
+from orchproc import orch_here, read_jsonl, run_orch, start_orch, stop_tree, summary, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 EXACT = ["conf=cpu_elastic", "launcher=local", "cluster.nnodes=2", "trainer.max_steps=150", "trainer.log_every=10"]
 
@@ -33,11 +34,18 @@ def kill_launch_after_checkpoint(tmp_path, args, run_dir, min_step):
     return max(saved_steps(run_dir))
 
 
-def assert_resumes_exactly(tmp_path, extra):
-    reference = tmp_path / "uninterrupted"
-    done = run_orch("launch", *EXACT, *extra(reference), f"run.dir={reference}")
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The run dir of one uninterrupted launch of EXACT (checkpoints on local disk, torch's format): the weights
+    every killed-and-resumed launch of EXACT must end with, wherever and however it checkpoints (a checkpoint's
+    storage and format change what is written, not what is trained)."""
+    reference = tmp_path_factory.mktemp("uninterrupted") / "run"
+    done = run_orch("launch", *EXACT, f"run.dir={reference}")
     assert done.returncode == 0, done.stderr[-3000:]
+    return reference
 
+
+def assert_resumes_exactly(tmp_path, reference, extra):
     resumed = tmp_path / "resumed"
     args = [*EXACT, *extra(resumed), f"run.dir={resumed}"]
     last_saved = kill_launch_after_checkpoint(tmp_path, args, resumed, min_step=10)
@@ -51,20 +59,24 @@ def assert_resumes_exactly(tmp_path, extra):
     assert summary(resumed)["params_sha256"] == summary(reference)["params_sha256"]
     assert summary(resumed)["steps_completed"] == 150
 
+@pytest.mark.slow
 
-def test_killed_launch_resumes_bit_identical(tmp_path):
-    assert_resumes_exactly(tmp_path, lambda run_dir: [])
+def test_killed_launch_resumes_bit_identical(tmp_path, uninterrupted):
+    assert_resumes_exactly(tmp_path, uninterrupted, lambda run_dir: [])
 
+@pytest.mark.slow
 
-def test_killed_launch_resumes_bit_identical_from_s3_in_safetensors(tmp_path, s3_bucket):
-    """Object storage and the pickle-free format in one drill (each alone is covered by the fast tier)."""
-    assert_resumes_exactly(tmp_path, lambda run_dir: [f"checkpoint.url=s3://{s3_bucket}/{run_dir.name}/ckpt",
-                                                      "checkpoint.format=safetensors"])
+def test_killed_launch_resumes_bit_identical_from_s3_in_safetensors(tmp_path, s3_bucket, uninterrupted):
+    """Object storage and the pickle-free format in one drill (each alone is covered by the fast tier), against
+    the same uninterrupted local run as the test above."""
+    assert_resumes_exactly(tmp_path, uninterrupted, lambda run_dir: [
+        f"checkpoint.url=s3://{s3_bucket}/{run_dir.name}/ckpt", "checkpoint.format=safetensors"])
     manager = CheckpointManager(f"s3://{s3_bucket}/resumed/ckpt")
     steps = manager.list()
     assert steps and all(info.valid for info in steps) and steps[-1].step == 150
     assert {"model.safetensors", "model.json"} <= set(manager.storage.list_files("step_000000150"))
 
+@pytest.mark.slow
 
 def test_node_kill_resumes_at_smaller_world_with_every_sample_once(tmp_path):
     common = ["conf=cpu_elastic", "launcher=local", "trainer.max_steps=100", "trainer.log_every=5", "trainer.record_sample_ids=true",
@@ -112,6 +124,7 @@ def test_node_kill_resumes_at_smaller_world_with_every_sample_once(tmp_path):
         assert seen == list(range(480)), f"epoch {epoch}: every sample exactly once"
     assert abs(s["final_loss"] - summary(reference)["final_loss"]) < 0.1 * summary(reference)["final_loss"]
 
+@pytest.mark.slow
 
 def test_accumulation_equivalence_across_world_sizes(tmp_path):
     """world 1 x accumulation 2 and world 2 x accumulation 1 train on the same samples to the same weights."""
@@ -131,13 +144,14 @@ def test_accumulation_equivalence_across_world_sizes(tmp_path):
     ("foo://bucket/x", "unknown filesystem scheme"),
     ("s3://no-such-bucket-orch/x", "bucket"),
 ])
-def test_bad_checkpoint_url_exits_2_before_training(tmp_path, s3_env, url, words):
+def test_bad_checkpoint_url_exits_2_before_training(tmp_path, s3_env, capsys, url, words):
     run_dir = tmp_path / "run"
-    result = run_orch("launch", "conf=cpu_gloo", "launcher=local", f"checkpoint.url={url}", f"run.dir={run_dir}", timeout=120)
+    result = orch_here(capsys, "launch", "conf=cpu_gloo", "launcher=local", f"checkpoint.url={url}", f"run.dir={run_dir}")
     assert result.returncode == 2, result.stderr
     assert "checkpoint.url" in result.stderr and words in result.stderr and "Fix:" in result.stderr
     assert not run_dir.exists()
 
+@pytest.mark.slow
 
 def test_model_that_does_not_fit_the_checkpoint_is_refused_with_its_keys(tmp_path):
     run_dir = tmp_path / "run"
