@@ -41,7 +41,8 @@ def test_cpu_gloo_job_across_three_hosts_binds_each_rank_to_its_host(testcluster
 
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["rendezvous_endpoint"].startswith(tc.store_address + ":"), "the store listens on the bridge"
-    assert [n["netns"] for n in plan["nodes"]] == tc.netns
+    assert [n["host"]["address"] for n in plan["nodes"]] == tc.addresses  # node i on host i
+    assert all(netns in n["host"]["wrapper"] for n, netns in zip(plan["nodes"], tc.netns))
     assert all(f"--local-addr={h}" in n["argv"] for n, h in zip(plan["nodes"], tc.hostnames))
     if launcher == "ray":  # node i's agent actor ran on the Ray node that joined from host i's address
         assert {e["node"]: e["ip"] for e in events_of(run_dir, "node_joined")} == dict(enumerate(tc.addresses))
