@@ -18,13 +18,14 @@ from orchestrator.config.schema import OrchConfig
 from orchestrator.controller.agents import AgentMaker
 from orchestrator.controller.api import NodePool, RunHooks
 from orchestrator.controller.controller import Controller, notice_sender, run_with_signals
+from orchestrator.events import LaunchStarted
 from orchestrator.ft.driver import driver_mode
 from orchestrator.newrun import open_run_dir
 from orchestrator.plan.hosts import HostRecord
 from orchestrator.plan.plan import LaunchPlan, build_plan
 from orchestrator.preflight import check
 from orchestrator.rendezvous import RendezvousStore
-from orchestrator.rundir import PLAN_FILE, EventLog, EventName
+from orchestrator.rundir import PLAN_FILE, EventLog
 from orchestrator.trust.recorder import refusal_recorder, value_refusal_recorder
 from orchestrator.trust.secret import RUN_SECRET_ENV, new_run_secret
 
@@ -89,9 +90,10 @@ class SiteBase:
             try:
                 mode.host(store, events)
                 (Path(run_dir) / PLAN_FILE).write_text(plan.to_json() + "\n")
-                started = events.emit(EventName.LAUNCH_STARTED, preset=plan.preset, run_id=run_id, launcher=self.name,
-                                      nodes=len(self.node_indexes), rendezvous_endpoint=plan.rendezvous_endpoint,
-                                      **self.launch_fields())
+                started = events.write(LaunchStarted(preset=plan.preset, run_id=run_id, launcher=self.name,
+                                                     nodes=len(self.node_indexes),
+                                                     rendezvous_endpoint=plan.rendezvous_endpoint,
+                                                     site=self.launch_fields()))
                 pool, hooks = self.start(events, store, started["t"])
                 agents = AgentMaker(plan, mode, {RUN_SECRET_ENV: secret} if secret else {}, gated=bool(secret))
                 controller = Controller(cfg, plan, pool, events, agents, nodes=self.node_indexes,

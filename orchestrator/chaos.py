@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from orchestrator.errors import UserError
+from orchestrator.events import ChaosKill, ChaosPreempt
 from orchestrator.preemption.notices import deliver_notice
 from orchestrator.rundir import NODES_FILE, EventLog, EventName, latest_launch
 
@@ -115,7 +116,7 @@ def kill_node(run_dir: str, node: int, sig: int = signal.SIGKILL) -> list[int]:
     killed = kill_tree(pid, sig)
     if not killed:
         raise UserError(f"--node {node}: its agent (pid {pid}) is not running. Fix: pick a live node")
-    EventLog(run_dir).emit(EventName.CHAOS_KILL, node=node, pids=killed, signal=signal.Signals(sig).name)
+    EventLog(run_dir).write(ChaosKill(node=node, pids=killed, signal=signal.Signals(sig).name))
     return killed
 
 
@@ -135,7 +136,7 @@ def preempt_node(run_dir: str, node: int, grace_s: float = 30.0) -> dict:
     pid = _agent_pid(run_dir, node)
     t0 = time.time()
     deliver_notice(run_dir, node, pid, grace_s, source="chaos", detail=f"orch chaos preempt (grace {grace_s} s)")
-    EventLog(run_dir).emit(EventName.CHAOS_PREEMPT, node=node, grace_s=grace_s, agent_pid=pid)
+    EventLog(run_dir).write(ChaosPreempt(node=node, grace_s=grace_s, agent_pid=pid))
     try:
         psutil.Process(pid).wait(timeout=grace_s)
         return {"node": node, "left_in_s": time.time() - t0}

@@ -11,9 +11,10 @@ from typing import Optional, Sequence
 from omegaconf import OmegaConf
 
 from orchestrator.config.schema import OrchConfig
+from orchestrator.events import LeaseLost
 from orchestrator.launch_record import record_launch
 from orchestrator.preflight import make_run_dir, run_leases
-from orchestrator.rundir import CONFIG_FILE, EventLog, EventName
+from orchestrator.rundir import CONFIG_FILE, EventLog
 
 
 def write_config(cfg: OrchConfig, run_dir: str) -> None:
@@ -53,7 +54,7 @@ def lease_lost_recorder(events: EventLog):
         except Exception:  # noqa: BLE001 - the store that lost us the lease may be unreachable now
             holder = None
         whom = f"run {holder.run_id}" if holder is not None else "another writer (its lease file is gone)"
-        events.emit(EventName.LEASE_LOST, url=lease.url, setting=lease.setting, by="launcher",
-                    holder=holder.run_id if holder is not None else None,
-                    reason=f"lease on {lease.setting}={lease.url} lost to {whom}")
+        events.write(LeaseLost(url=lease.url, setting=lease.setting,
+                               holder=holder.run_id if holder is not None else None, by="launcher",
+                               reason=f"lease on {lease.setting}={lease.url} lost to {whom}"))
     return record

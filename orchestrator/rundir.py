@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import os
 import time
-from enum import StrEnum
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
+
+from orchestrator.events import Event, EventName, parse  # EventName: importable from here, as it always was
 
 CONFIG_FILE = "config.yaml"  # the resolved config every worker loads
 PLAN_FILE = "plan.json"  # the launch plan, as `orch launch --dry-run` prints it
@@ -25,74 +26,6 @@ NOTICES_DIR = "notices"  # notices/node<N>-<agent pid>.json: preemption notices 
 LAUNCH_FILE = "launch.json"  # who launched the run, how, with which preset and overrides (orch resume reads it)
 ORCH_LOG = "orch.log"  # a detached launch's own output (what `orch launch` prints in the foreground)
 SAMPLES_DIR = "samples"  # samples/rank<R>.jsonl: sample ids per step (trainer.record_samples)
-
-
-class EventName(StrEnum):
-    """Every event a run records. String-valued: the JSON says ``"event": "node_lost"`` as it always did."""
-
-    # the launch and the controller
-    LAUNCH_STARTED = "launch_started"
-    CONTROLLER_STATE = "controller_state"
-    RUN_FINISHED = "run_finished"
-    INTERRUPTED = "interrupted"
-    STOP_REQUESTED = "stop_requested"  # `orch stop`: the nodes get a notice, save and leave; status `stopped`
-    PREEMPTION_NOTICE_FORWARDED = "preemption_notice_forwarded"
-    RESTART = "restart"
-    RUN_STOPPED_DETERMINISTIC = "deterministic_failure"
-    AGENTS_STOPPED = "agents_stopped"
-    AGENTS_UNRESPONSIVE = "agents_unresponsive"
-    RECOVERED = "recovered"
-    # node agents
-    NODE_STARTED = "node_started"
-    NODE_STANDBY_STARTED = "node_standby_started"
-    NODE_JOINED = "node_joined"
-    NODE_START_FAILED = "node_start_failed"
-    NODE_UNPLACEABLE = "node_unplaceable"
-    NODE_FINISHED = "node_finished"
-    NODE_STOPPED = "node_stopped"
-    NODE_PREEMPTED = "node_preempted"
-    NODE_LOST = "node_lost"
-    NODE_FAILED = "node_failed"
-    # rendezvous
-    RENDEZVOUS_EVICTED = "rendezvous_evicted"
-    RENDEZVOUS_REOPENED = "rendezvous_reopened"
-    RENDEZVOUS_COMPLETE = "rendezvous_complete"
-    ROUND_BROKEN = "round_broken"
-    # workers
-    WORKER_STARTED = "worker_started"
-    FIRST_STEP = "first_step"
-    # fault_tolerance.mode=per_step (orchestrator/ft/)
-    QUORUM_CHANGED = "quorum_changed"  # the leader, at the first committed step of a new set of replica groups
-    REPLICA_HEALED = "replica_healed"  # a group loaded a live peer's state (which one, at which step)
-    STEP_DISCARDED = "step_discarded"  # a step that did not commit everywhere: redone with the same samples
-    HANG_DETECTED = "hang_detected"  # a rank's heartbeat went silent: its stack, then its node is ended
-    STRAGGLER = "straggler"  # a rank consistently busier per step than its peers (ratio)
-    STORE_CLIENT_REFUSED = "store_client_refused"  # a connection to a port of the run without the run's secret
-    STORE_VALUE_REFUSED = "store_value_refused"  # a rendezvous state not sealed with the run's secret (key, peer)
-    REPLICA_STARTED = "replica_started"  # a group's workers joined their own one-node rendezvous
-    REPLICA_LEFT = "replica_left"  # a noticed group left at a step boundary, its peers holding the state
-    TRAINING_FINISHED = "training_finished"
-    WORKER_FAILED = "worker_failed"
-    PREEMPTION_NOTICE = "preemption_notice"
-    PREEMPTION_GRACE_SHORT = "preemption_grace_short"
-    EMERGENCY_CHECKPOINT = "emergency_checkpoint"
-    CHECKPOINT_SAVED = "checkpoint_saved"
-    CHECKPOINT_LOADED = "checkpoint_loaded"
-    CHECKPOINT_SKIPPED = "checkpoint_skipped"
-    CHECKPOINT_FAILED = "checkpoint_failed"
-    CHECKPOINT_RETENTION_FAILED = "checkpoint_retention_failed"
-    CHECKPOINT_CONFIG_CHANGED = "checkpoint_config_changed"
-    CHECKPOINT_INTERVAL = "checkpoint_interval"  # every_n_steps=auto set a new interval (orchestrator/checkpoint/interval.py)
-    LEASE_LOST = "lease_lost"  # the run's lease on its run dir or checkpoint URL is another run's: the run stops
-    # fault injection
-    CHAOS_KILL = "chaos_kill"
-    CHAOS_PREEMPT = "chaos_preempt"
-    CHAOS_PARTITION = "chaos_partition"
-    CHAOS_HEAL = "chaos_heal"
-    # test clusters
-    STALE_WORKERS_ENDED = "stale_workers_ended"
-    TESTCLUSTER_BINDINGS = "testcluster_bindings"
-    TESTCLUSTER_RAY_NODE_STARTED = "testcluster_ray_node_started"
 
 
 def append_jsonl(path: str | os.PathLike, record: dict[str, Any]) -> None:
@@ -191,14 +124,28 @@ class EventLog:
         self.path = Path(run_dir) / EVENTS_FILE
         self.clock = clock  # wall time; tests of the controller inject theirs
 
+    def write(self, event: Event, t: Optional[float] = None) -> dict[str, Any]:
+        """Record ``event`` (a constructor of :mod:`orchestrator.events`) at ``t`` (default now: a fault a
+        drill logged keeps its own time); returns the record written."""
+        record = {"t": self.clock() if t is None else t, "event": str(event.event), **event.fields()}
+        append_jsonl(self.path, record)
+        return record
+
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
-        """Record ``event`` (an :class:`EventName`) now with ``fields``; returns the record written."""
+        """Record a hand-made event ``event`` with free ``fields`` (tests and drills that write partial records
+        on purpose); orch's own writers use :meth:`write`. Returns the record written."""
         record = {"t": self.clock(), "event": str(event), **fields}
         append_jsonl(self.path, record)
         return record
 
     def read(self) -> list[dict[str, Any]]:
         return read_jsonl(self.path)
+
+    def read_events(self) -> list[tuple[float, Event]]:
+        """Every known event with its time, typed (:func:`orchestrator.events.parse`: a missing field reads
+        as None; records of no known event are left out)."""
+        typed = ((record.get("t"), parse(record)) for record in self.read())
+        return [(t, event) for t, event in typed if event is not None and isinstance(t, (int, float))]
 
     def tail(self, from_end: bool = True) -> JsonlTail:
         return JsonlTail(self.path, from_end)

@@ -25,7 +25,7 @@ from orchestrator.controller.hang_policy import read_beats
 from orchestrator.elastic.heartbeat import HEARTBEATS_DIR
 from orchestrator.errors import OrchError
 from orchestrator.processes import terminate_tree
-from orchestrator.rundir import EVENTS_FILE, METRICS_FILE, read_jsonl
+from orchestrator.rundir import EVENTS_FILE, METRICS_FILE, EventName, read_jsonl
 
 JOB = ["conf=cpu_elastic", "launcher=local", "cluster.nnodes=1:2", "trainer.log_every=1", "checkpoint.every_n_steps=5"]
 
@@ -62,7 +62,7 @@ def stopped_worker_drill(run_dir: Path, stop_at_step: int = 20, timeout_s: float
                      "node 1's heartbeat", proc)[0]
         stopped_t = time.time()
         os.kill(beat.pid, signal.SIGSTOP)
-        detected = _wait(lambda: [e for e in read_jsonl(run_dir / EVENTS_FILE) if e["event"] == "hang_detected"],
+        detected = _wait(lambda: [e for e in read_jsonl(run_dir / EVENTS_FILE) if e["event"] == EventName.HANG_DETECTED],
                          timeout_s, "the hang to be detected", proc)[0]
         # A step the survivors finish after the stop but before the detection was already in flight.
         _wait(lambda: [m for m in _steps(run_dir) if m["t"] > detected["t"]], timeout_s, "a step after the hang", proc)
@@ -71,7 +71,7 @@ def stopped_worker_drill(run_dir: Path, stop_at_step: int = 20, timeout_s: float
     finally:
         terminate_tree(proc.pid, grace_s=10)
     events = read_jsonl(run_dir / EVENTS_FILE)
-    hangs = [e for e in events if e["event"] == "hang_detected"]
+    hangs = [e for e in events if e["event"] == EventName.HANG_DETECTED]
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     return {"detected": bool(hangs and hangs[0]["node"] == 1 and hangs[0]["pid"] == beat.pid and hangs[0]["stack"]),
             "detected_after_s": round(hangs[0]["t"] - stopped_t, 2) if hangs else None,
@@ -96,7 +96,7 @@ def false_alarm_drill(run_dir: Path, quiet_s: float) -> dict:
             pass
         terminate_tree(proc.pid, grace_s=5)
     events = read_jsonl(run_dir / EVENTS_FILE)
-    return {"false_alarms": sum(1 for e in events if e["event"] in ("hang_detected", "straggler")),
+    return {"false_alarms": sum(1 for e in events if e["event"] in (EventName.HANG_DETECTED, EventName.STRAGGLER)),
             "quiet_s": quiet_s, "steps": max((m["step"] for m in _steps(run_dir)), default=0)}
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from orchestrator.config.compose import compose_config
-from orchestrator.rundir import EVENTS_FILE, METRICS_FILE, read_jsonl
+from orchestrator.rundir import EVENTS_FILE, METRICS_FILE, EventName, read_jsonl
 
 PRESET = "cpu_gloo"
 SHAPE = ("cluster.nnodes=1", "cluster.nproc_per_node=2")  # one torchrun agent with 2 workers, like the plain run
@@ -74,7 +74,7 @@ def run_orch(steps: int, log_every: int, workdir: Path) -> dict[str, Any]:
             f"run.dir={run_dir}"]
     start = time.time()
     _run(argv, workdir / "orch.log", {})
-    first = next(e for e in read_jsonl(run_dir / EVENTS_FILE) if e["event"] == "first_step")
+    first = next(e for e in read_jsonl(run_dir / EVENTS_FILE) if e["event"] == EventName.FIRST_STEP)
     return {"start_t": start, "first_step_t": first["t"],
             "marks": {m["step"]: m["t"] for m in read_jsonl(run_dir / METRICS_FILE)}}
 

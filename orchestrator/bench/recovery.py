@@ -34,7 +34,7 @@ from orchestrator.processes import NodeProcess, terminate_tree
 from orchestrator.chaos import kill_node
 from orchestrator.rundir import NODES_FILE
 from orchestrator.errors import OrchError
-from orchestrator.rundir import METRICS_FILE, read_jsonl
+from orchestrator.rundir import METRICS_FILE, EventName, read_jsonl
 from orchestrator.report.summary import build_summary
 
 PRESET = "cpu_elastic"
@@ -69,7 +69,7 @@ def lost_steps(run_dir: Path) -> int:
     """Steps reached before the kill that the job trained again: the highest step logged before it minus the
     step before the first one logged after it (metrics every step)."""
     events = read_jsonl(run_dir / "events.jsonl")
-    kill_t = next(e["t"] for e in events if e["event"] == "chaos_kill")
+    kill_t = next(e["t"] for e in events if e["event"] == EventName.CHAOS_KILL)
     metrics = read_jsonl(run_dir / METRICS_FILE)
     before = max((m["step"] for m in metrics if m["t"] <= kill_t), default=0)
     after = min((m["step"] for m in metrics if m["t"] > kill_t), default=before + 1)
@@ -155,9 +155,9 @@ def _all_replicas_in(run_dir: Path) -> bool:
     """per_step: every node agent started is in the quorum (else the kill would hit a group still healing);
     restart mode has no quorum events and needs nothing more."""
     events = read_jsonl(run_dir / "events.jsonl")
-    quorums = [e["replicas"] for e in events if e["event"] == "quorum_changed"]
+    quorums = [e["replicas"] for e in events if e["event"] == EventName.QUORUM_CHANGED]
     if not quorums:
-        return not any(e["event"] == "replica_healed" for e in events)
+        return not any(e["event"] == EventName.REPLICA_HEALED for e in events)
     return quorums[-1] >= len(json.loads((run_dir / NODES_FILE).read_text()))
 
 

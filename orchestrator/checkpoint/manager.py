@@ -31,6 +31,9 @@ from typing import Any, Callable
 
 import torch
 
+from orchestrator.events import (CheckpointFailed, CheckpointRetentionFailed, CheckpointSaved, CheckpointSkipped,
+                                 Event)
+
 from .errors import CheckpointError, CheckpointFenced, CheckpointSetupError
 from .manifest import (
     MANIFEST_NAME,
@@ -109,7 +112,8 @@ class CheckpointManager:
     ``keep_last``: valid checkpoints kept after each committed save (>= 1). ``async_save``: serialize and
     write in a background thread (at most one in flight) so the caller only waits for the copy to CPU.
     ``on_event(name, fields)``: called with ``checkpoint_saved`` / ``checkpoint_failed`` /
-    ``checkpoint_skipped`` / ``checkpoint_retention_failed``; from the background thread for async saves.
+    ``checkpoint_skipped`` / ``checkpoint_retention_failed`` and the JSON fields of that event (built by its
+    constructor in orchestrator/events.py); from the background thread for async saves.
     ``run_id``: recorded in every manifest with the lineage (the run ids before it, from the checkpoint
     :meth:`load` resumed from); retention then deletes only checkpoints this run id wrote, never those it
     resumed from or another run's. None: no run id (retention treats checkpoints without one as its own).
@@ -243,7 +247,7 @@ class CheckpointManager:
                 manifest = self._write_in_place(storage, step, stepdir, cpu_state, metadata)
         except Exception as e:  # noqa: BLE001 - any failure must reach the caller, never vanish
             error = f"refused, nothing committed: {e}" if isinstance(e, _Fenced) else f"{type(e).__name__}: {e}"
-            self._emit("checkpoint_failed", {"step": step, "error": error, "async": is_async, "url": self.url})
+            self._emit(CheckpointFailed(step=step, error=error, async_=is_async, url=self.url))
             if isinstance(e, _NoSpace):
                 raise CheckpointError(f"checkpoint save of step {step} to {self.url} refused: {e}") from e
             if isinstance(e, _Fenced):
@@ -256,10 +260,8 @@ class CheckpointManager:
         write_s = time.perf_counter() - t0
         if stall_s is None:
             stall_s = time.perf_counter() - (t_call if t_call is not None else t0)
-        self._emit("checkpoint_saved", {
-            "step": step, "stall_s": stall_s, "write_s": write_s, "bytes": manifest.total_bytes,
-            "async": is_async, "url": storage.url_for(stepdir),
-        })
+        self._emit(CheckpointSaved(step=step, stall_s=stall_s, write_s=write_s, bytes=manifest.total_bytes,
+                                   async_=is_async, url=storage.url_for(stepdir)))
         self._prune()
 
     def _write_files(self, storage: CheckpointStorage, step: int, dirname: str, cpu_state: dict,
@@ -397,7 +399,7 @@ class CheckpointManager:
         except Exception as e:  # noqa: BLE001
             msg = f"checkpoint retention under {self.url} failed: {type(e).__name__}: {e}"
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
-            self._emit("checkpoint_retention_failed", {"error": msg, "url": self.url})
+            self._emit(CheckpointRetentionFailed(error=msg, url=self.url))
 
     def _own(self, info: CheckpointInfo) -> bool:
         """Whether this run wrote ``info`` (checkpoints without a run id belong to a manager without one: the
@@ -512,7 +514,7 @@ class CheckpointManager:
 
     def _skip(self, info: CheckpointInfo, reason: str) -> None:
         warnings.warn(f"skipping checkpoint {info.url}: {reason}", RuntimeWarning, stacklevel=3)
-        self._emit("checkpoint_skipped", {"step": info.step, "reason": reason, "url": info.url})
+        self._emit(CheckpointSkipped(step=info.step, reason=reason, url=info.url))
 
     def _read(self, manifest: Manifest) -> LoadedCheckpoint:
         stepdir = step_dirname(manifest.step)
@@ -544,13 +546,13 @@ class CheckpointManager:
                                 run_id=manifest.run_id, lineage=manifest.lineage)
 
     # -- events -----------------------------------------------------------------------------------
-    def _emit(self, name: str, fields: dict) -> None:
+    def _emit(self, event: Event) -> None:
         if self._on_event is None:
             return
         try:
-            self._on_event(name, fields)
+            self._on_event(event.event, event.fields())
         except Exception:  # noqa: BLE001 - a broken listener must not break checkpointing
-            log.exception("checkpoint event listener failed on %s", name)
+            log.exception("checkpoint event listener failed on %s", event.event)
 
 
 def _deserialize(fmt: str, files: dict[str, bytes]) -> Any:

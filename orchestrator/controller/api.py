@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Optional, Protocol, Union
 
+from orchestrator.events import Event, NodeFailed, NodeFinished, NodeLost, NodePreempted, NodeStopped
 
 NODE_ADDRESS = "<this node's address>"
 """An env value a pool replaces with the address of the machine an agent lands on (a Ray node's IP): what the
@@ -29,7 +30,7 @@ class RunStatus(StrEnum):
 
 
 class ExitKind(StrEnum):
-    """What a node agent's exit was; each has its event (``node_<kind>``)."""
+    """What a node agent's exit was; each has its event (``node_<kind>``), made by :meth:`event`."""
 
     FINISHED = "finished"  # exit 0: its workers are done
     STOPPED = "stopped"  # the controller asked it to stop
@@ -37,9 +38,11 @@ class ExitKind(StrEnum):
     LOST = "lost"  # killed, or its machine is gone: not the job's fault
     FAILED = "failed"  # user code failed, or torchrun gave up after cluster.max_restarts
 
-    @property
-    def event(self) -> str:
-        return f"node_{self.value}"
+    def event(self, node: int, exit_code: Optional[int], reason: str, attempt: int) -> Event:
+        """The ``node_<kind>`` event of an agent's exit of this kind."""
+        cls = {ExitKind.FINISHED: NodeFinished, ExitKind.STOPPED: NodeStopped, ExitKind.PREEMPTED: NodePreempted,
+               ExitKind.LOST: NodeLost, ExitKind.FAILED: NodeFailed}[self]
+        return cls(node=node, exit_code=exit_code, reason=reason, attempt=attempt)
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,12 @@ from orchestrator.controller.standby_policy import standby_machine, standbys_to_
 from orchestrator.controller.states import (RECOVERING, RUNNING, SCHEDULING, State, StateName, failed, finished,
                                             stopping)
 from orchestrator.controller.worker_view import WorkerView
+from orchestrator.events import (AgentsStopped, AgentsUnresponsive, ControllerState, DeterministicFailure, Interrupted,
+                                 NodeStartFailed, NodeStopped, PreemptionNoticeForwarded, Recovered, Restart,
+                                 RunFinished, StopRequested)
 from orchestrator.plan.plan import LaunchPlan
 from orchestrator.processes import kill_tree
-from orchestrator.rundir import LOGS_DIR, EventLog, EventName
+from orchestrator.rundir import LOGS_DIR, EventLog
 
 POLL_S = 0.2
 SCALE_INTERVAL_S = 1.0
@@ -85,9 +88,9 @@ class Controller:
     def run(self) -> RunStatus:
         while not self.state.is_terminal:
             self._step()
-        self.events.emit(EventName.RUN_FINISHED, status=self.state.status, attempts=self.attempt + 1,
-                         node_exit_codes={str(n): rc for n, rc in sorted(self.exit_codes.items())},
-                         **({"reason": self.state.reason} if self.state.reason else {}))
+        self.events.write(RunFinished(status=self.state.status, attempts=self.attempt + 1,
+                                      node_exit_codes={str(n): rc for n, rc in sorted(self.exit_codes.items())},
+                                      reason=self.state.reason or None))
         return self.state.status
 
     def _step(self) -> tuple[State, State]:
@@ -96,8 +99,7 @@ class Controller:
                    StateName.RECOVERING: self._active, StateName.STOPPING: self._stopping}[previous.name]
         self.state = handler(previous)
         if self.state.name != previous.name:
-            self.events.emit(EventName.CONTROLLER_STATE, previous=previous.name, state=self.state.name,
-                             attempt=self.attempt)
+            self.events.write(ControllerState(previous=previous.name, state=self.state.name, attempt=self.attempt))
         return previous, self.state
 
     def request_stop(self, signum: int) -> None:
@@ -140,7 +142,7 @@ class Controller:
     def _stopping(self, state: State) -> State:
         self._handle_updates()
         if self.roster and self.clock.monotonic() > self.fleet.stop_deadline:
-            self.events.emit(EventName.AGENTS_UNRESPONSIVE, nodes=sorted({a.node for a in self.roster}))
+            self.events.write(AgentsUnresponsive(nodes=sorted({a.node for a in self.roster})))
             self.roster.clear()
         if self.roster:
             return state
@@ -168,15 +170,15 @@ class Controller:
         if self.signal in (signal.SIGTERM, STOP_SIGNAL):
             grace = self.cfg.preemption.grace_period_s
             if self.signal == STOP_SIGNAL:
-                self.events.emit(EventName.STOP_REQUESTED, grace_period_s=grace)
-            self.events.emit(EventName.PREEMPTION_NOTICE_FORWARDED, reason=f"orch got {signal.Signals(self.signal).name}",
-                             grace_period_s=grace)
+                self.events.write(StopRequested(grace_period_s=grace))
+            self.events.write(PreemptionNoticeForwarded(reason=f"orch got {signal.Signals(self.signal).name}",
+                                                        grace_period_s=grace))
             if self.notify:
                 for node, pid in self.roster.running().items():
                     self.notify(node, pid, grace)
             status = RunStatus.STOPPED if self.signal == STOP_SIGNAL else RunStatus.PREEMPTED
             return self._stop_all_then(finished(status), grace_s=grace, agent_only=True)
-        self.events.emit(EventName.INTERRUPTED, reason=f"orch got {signal.Signals(self.signal).name}")
+        self.events.write(Interrupted(reason=f"orch got {signal.Signals(self.signal).name}"))
         return self._stop_all_then(finished(RunStatus.INTERRUPTED))
 
     def _handle_updates(self) -> Optional[State]:
@@ -223,8 +225,8 @@ class Controller:
         step = self.view.first_step_since(self.loss_t)
         if step is None:
             return False
-        self.events.emit(EventName.RECOVERED, step_t=step.t, lost_t=self.loss_t, mttr_s=round(step.t - self.loss_t, 3),
-                         step=step.step, world_size=step.world_size)
+        self.events.write(Recovered(step_t=step.t, lost_t=self.loss_t, mttr_s=round(step.t - self.loss_t, 3),
+                                    step=step.step, world_size=step.world_size))
         self.loss_t = None
         return True
 
@@ -236,7 +238,7 @@ class Controller:
         if (not self._lingering_stopped and self.roster
                 and since > (EXIT_BARRIER_GRACE_S if self._first_exit_after_training else EXIT_TIMEOUT_S)):
             self._lingering_stopped = True
-            self.events.emit(EventName.AGENTS_STOPPED, reason="training finished; agents still waiting on departed peers")
+            self.events.write(AgentsStopped(reason="training finished; agents still waiting on departed peers"))
             self.fleet.stop_all(STOP_GRACE_S, agent_only=False, timeout_s=STOP_TIMEOUT_S)
 
     def _stop_all_then(self, then: State, grace_s: float = STOP_GRACE_S, agent_only: bool = False) -> State:
@@ -283,13 +285,14 @@ class Controller:
         if agent is None:
             return None
         if agent.standby:
-            self.events.emit(EventName.NODE_STOPPED, node=exit.node, exit_code=exit.exit_code, standby=True,
-                             reason=f"standby for node {exit.node} ended before it played ({exit.detail or exit.exit_code})")
+            self.events.write(NodeStopped(node=exit.node, exit_code=exit.exit_code, standby=True,
+                                          reason=f"standby for node {exit.node} ended before it played "
+                                                 f"({exit.detail or exit.exit_code})"))
             return None
         if agent.pid is None and exit.actor_died and not agent.stopping:
             # Placed on a machine that died before the agent started (the cluster still listed it as alive):
             # nothing of the job ran there, so nothing is lost and nothing to recover; the slot is free again.
-            self.events.emit(EventName.NODE_START_FAILED, node=exit.node, ray_node=agent.node_id, reason=exit.detail)
+            self.events.write(NodeStartFailed(node=exit.node, ray_node=agent.node_id, reason=exit.detail))
             return None
         self.exit_codes[exit.node] = exit.exit_code
         done = self.view.training_finished is not None
@@ -300,8 +303,7 @@ class Controller:
         explained = None if noticed or agent.stopping else self.hooks.explain_exit(exit.node, exit.exit_code,
                                                                                    agent.requested_t)
         verdict = classify(exit, agent.stopping, noticed, done, explained)
-        self.events.emit(verdict.kind.event, node=exit.node, exit_code=exit.exit_code, reason=verdict.reason,
-                         attempt=self.attempt)
+        self.events.write(verdict.kind.event(exit.node, exit.exit_code, verdict.reason, self.attempt))
         standby = self.roster.promote(exit.node)
         if standby is not None and standby.pid is not None:
             self.fleet.announce(standby, self.attempt, standby=True)
@@ -325,11 +327,10 @@ class Controller:
                                                 self.run_dir / LOGS_DIR / f"node{agent.node}.log", agent.log_offset)
         if decision.action == FailureAction.FAIL:
             if repeated and self.budget.failures <= self.cfg.failure.max_failures:
-                self.events.emit(EventName.RUN_STOPPED_DETERMINISTIC, node=agent.node, failure=repeated,
-                                 attempts=self.attempt + 1)
+                self.events.write(DeterministicFailure(node=agent.node, failure=repeated, attempts=self.attempt + 1))
             return self._stop_all_then(failed(decision.reason))
         if decision.action == FailureAction.RESTART:
-            self.events.emit(EventName.RESTART, reason=decision.reason, scope="every node", attempt=self.attempt + 1)
+            self.events.write(Restart(reason=decision.reason, scope="every node", attempt=self.attempt + 1))
             self.attempt += 1
             self._attempt_t = self.clock.time()
             self.loss_t = None

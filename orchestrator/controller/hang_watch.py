@@ -15,7 +15,8 @@ import psutil
 from orchestrator.config.schema import HangConfig
 from orchestrator.controller.hang_policy import Beat, StragglerWatch, hang_threshold, hung, read_beats
 from orchestrator.elastic.heartbeat import HEARTBEATS_DIR, STACK_SIGNAL, STACKS_DIR, heartbeat_name
-from orchestrator.rundir import EventLog, EventName
+from orchestrator.events import HangDetected, Straggler
+from orchestrator.rundir import EventLog
 
 CHECK_INTERVAL_S = 1.0
 STACK_WAIT_S = 3.0
@@ -65,15 +66,16 @@ class HangWatch:
             if (beat.node, beat.pid) in self._ended or beat.node in end:
                 continue
             self._ended.add((beat.node, beat.pid))
-            self.events.emit(EventName.HANG_DETECTED, node=beat.node, rank=beat.rank, pid=beat.pid, step=beat.step,
-                             silent_s=round(silent_s, 2), threshold_s=round(hang_threshold(beats, self.cfg), 2),
-                             stack=self.stack(self.run_dir, beat))
+            self.events.write(HangDetected(node=beat.node, rank=beat.rank, pid=beat.pid, step=beat.step,
+                                           silent_s=round(silent_s, 2),
+                                           threshold_s=round(hang_threshold(beats, self.cfg), 2),
+                                           stack=self.stack(self.run_dir, beat)))
             end.append(beat.node)
         for beat, ratio in self.stragglers.check(beats):
             peers = [b.busy_s for b in beats if b.busy_s and (b.node, b.rank) != (beat.node, beat.rank)]
-            self.events.emit(EventName.STRAGGLER, node=beat.node, rank=beat.rank, ratio=round(ratio, 2),
-                             busy_s=round(beat.busy_s, 4), peers_busy_s=[round(p, 4) for p in peers],
-                             evicted=self.cfg.evict_stragglers)
+            self.events.write(Straggler(node=beat.node, rank=beat.rank, ratio=round(ratio, 2),
+                                        busy_s=round(beat.busy_s, 4), peers_busy_s=[round(p, 4) for p in peers],
+                                        evicted=self.cfg.evict_stragglers))
             if self.cfg.evict_stragglers and beat.node not in end:
                 end.append(beat.node)
         return end

@@ -10,7 +10,8 @@ from typing import Iterator, Optional
 
 from orchestrator.controller.agents import AgentMaker
 from orchestrator.controller.api import AgentStarted, Clock, NodePool
-from orchestrator.rundir import LOGS_DIR, NODES_FILE, EventLog, EventName, write_json_atomic
+from orchestrator.events import NodeJoined, NodeStandbyStarted, NodeStarted, NodeUnplaceable
+from orchestrator.rundir import LOGS_DIR, NODES_FILE, EventLog, write_json_atomic
 
 
 @dataclass
@@ -111,8 +112,8 @@ class Fleet:
             return
         agent.pid, agent.ip = started.pid, started.ip
         if agent.standby:
-            self.events.emit(EventName.NODE_STANDBY_STARTED, node=started.node, pid=started.pid, ip=started.ip,
-                             ray_node=started.node_id)
+            self.events.write(NodeStandbyStarted(node=started.node, pid=started.pid, ip=started.ip,
+                                                 ray_node=started.node_id))
         else:
             self.announce(agent, attempt)
         if agent.stopping:  # told to stop while it was starting
@@ -122,10 +123,10 @@ class Fleet:
         """``node_started`` and ``node_joined``: the agent plays its node from now on."""
         replacement = agent.node in self.roster.ever_started
         self.roster.ever_started.add(agent.node)
-        self.events.emit(EventName.NODE_STARTED, node=agent.node, pid=agent.pid, replacement=replacement,
-                         **({"standby": True} if standby else {}))
-        self.events.emit(EventName.NODE_JOINED, node=agent.node, pid=agent.pid, ip=agent.ip, ray_node=agent.node_id,
-                         attempt=attempt, rdzv_id=agent.rdzv_id)
+        self.events.write(NodeStarted(node=agent.node, pid=agent.pid, replacement=replacement,
+                                      standby=True if standby else None))
+        self.events.write(NodeJoined(node=agent.node, pid=agent.pid, ip=agent.ip, ray_node=agent.node_id,
+                                     attempt=attempt, rdzv_id=agent.rdzv_id))
         self.roster.write_nodes()
 
     def stop_all(self, grace_s: float, agent_only: bool, timeout_s: float) -> None:
@@ -142,6 +143,6 @@ class Fleet:
         now = self.clock.monotonic()
         for agent in self.roster:
             if agent.pid is None and not agent.stopping and now - agent.requested_mono > wait_s:
-                self.events.emit(EventName.NODE_UNPLACEABLE, node=agent.node, ray_node=agent.node_id)
+                self.events.write(NodeUnplaceable(node=agent.node, ray_node=agent.node_id))
                 agent.stopping = True
                 self.pool.stop(agent.agent_id, 0.0)

@@ -1,7 +1,8 @@
 """What the run's workers (and drills) told the controller through the run dir, as typed facts.
 
 Workers write events (``training_finished``, ``first_step``, ``preemption_notice``, ``worker_failed``, ...);
-the controller reads them here, through :meth:`WorkerView.update`, and never handles a raw record itself.
+the controller reads them here, through :meth:`WorkerView.update`, as the typed events of orchestrator/events.py
+(:func:`~orchestrator.events.parse`), and never handles a raw record itself.
 """
 
 from __future__ import annotations
@@ -9,7 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from orchestrator.rundir import EventLog, EventName
+from orchestrator.events import FirstStep as FirstStepEvent
+from orchestrator.events import (ChaosKill, LeaseLost, PreemptionNotice, QuorumChanged, TrainingFinished, WorkerFailed,
+                                 parse)
+from orchestrator.rundir import EventLog
 
 KEEP_STEPS = 10
 KEEP_FAILURES = 64
@@ -49,21 +53,20 @@ class WorkerView:
         self._losses: list[float] = []
 
     def update(self) -> None:
-        for e in self._tail.read_new():
-            kind = e.get("event")
-            if kind == EventName.CHAOS_KILL:
-                self._losses.append(e["t"])
-            elif kind == EventName.TRAINING_FINISHED and self.training_finished is None:
+        for record in self._tail.read_new():
+            event, t = parse(record), record.get("t")
+            if isinstance(event, ChaosKill):
+                self._losses.append(t)
+            elif isinstance(event, TrainingFinished) and self.training_finished is None:
                 self.training_finished = self._monotonic()
-            elif kind == EventName.PREEMPTION_NOTICE:
-                self.notices.append(Notice(e.get("node"), e["t"], str(e.get("source", ""))))
-            elif kind in (EventName.FIRST_STEP, EventName.QUORUM_CHANGED):
-                self.first_steps = [*self.first_steps[-(KEEP_STEPS - 1):],
-                                    FirstStep(e["t"], e.get("step"), e.get("world_size"))]
-            elif kind == EventName.WORKER_FAILED:
-                self.failures = [*self.failures[-(KEEP_FAILURES - 1):], e]
-            elif kind == EventName.LEASE_LOST and self.lease_lost is None:
-                self.lease_lost = e.get("reason") or f"lease on {e.get('url')} lost"
+            elif isinstance(event, PreemptionNotice):
+                self.notices.append(Notice(event.node, t, str(event.source or "")))
+            elif isinstance(event, (FirstStepEvent, QuorumChanged)):
+                self.first_steps = [*self.first_steps[-(KEEP_STEPS - 1):], FirstStep(t, event.step, event.world_size)]
+            elif isinstance(event, WorkerFailed):
+                self.failures = [*self.failures[-(KEEP_FAILURES - 1):], record]  # failure signatures read the record
+            elif isinstance(event, LeaseLost) and self.lease_lost is None:
+                self.lease_lost = event.reason or f"lease on {event.url} lost"
 
     def take_losses(self) -> list[float]:
         """Wall times of nodes a drill killed since the last call."""

@@ -23,11 +23,13 @@ from orchestrator.checkpoint.fence import fence_from_env
 from orchestrator.checkpoint.interval import PROBE_STEPS, IntervalPolicy
 from orchestrator.config.schema import CheckpointConfig
 from orchestrator.elastic import collectives
-from orchestrator.rundir import EventName
+from orchestrator.events import (CheckpointConfigChanged, CheckpointInterval, CheckpointLoaded, CheckpointSaved, Event,
+                                 LeaseLost, event_of)
 from orchestrator.runtime.distributed import DistContext
 from orchestrator.runtime.state import RNG_PAYLOAD, RankRngStates, TrainingState, rng_state
 
-Emit = Callable[..., Any]
+WriteEvent = Callable[[Event], None]
+"""``write(event)``: records one of orchestrator/events.py's events (or drops it: not this rank's, no run dir)."""
 
 
 def hash_settings(settings: Mapping[str, Any]) -> dict[str, str]:
@@ -41,7 +43,7 @@ def hash_settings(settings: Mapping[str, Any]) -> dict[str, str]:
 
 class SessionCheckpoints:
     """Saves and restores ``state`` at ``url`` per ``cfg`` (``every_n_steps``, ``keep_last``, ``async_save``,
-    ``resume``; its ``url`` is ignored: ``url`` is the resolved one). ``emit(name, **fields)`` records events
+    ``resume``; its ``url`` is ignored: ``url`` is the resolved one). ``write(event)`` records events
     (rank 0's; others pass a no-op). ``fingerprint``: a short hash per setting that changes the math: stored
     in each checkpoint (:func:`hash_settings`); a resume whose fingerprint differs warns and emits
     ``checkpoint_config_changed``.
@@ -52,10 +54,10 @@ class SessionCheckpoints:
     emitted and the launcher stops the run."""
 
     def __init__(self, cfg: CheckpointConfig, url: str, state: TrainingState, ctx: DistContext,
-                 device: torch.device, seed: int, emit: Emit, fingerprint: Optional[dict[str, str]] = None,
+                 device: torch.device, seed: int, write: WriteEvent, fingerprint: Optional[dict[str, str]] = None,
                  run_dir: Optional[str] = None):
         self.cfg, self.url, self.state, self.ctx, self.device, self.seed = cfg, url, state, ctx, device, seed
-        self.emit, self.fingerprint = emit, fingerprint
+        self.write, self.fingerprint = write, fingerprint
         # The launcher's run id (ORCH_RUN_ID) goes into every manifest: retention keeps to this run's own steps.
         leased = cfg.url or (f"{run_dir}/checkpoints" if run_dir is not None else None)
         self.fence = fence_from_env(url, leased)
@@ -73,9 +75,11 @@ class SessionCheckpoints:
         self._tick: Optional[float] = None
 
     def _on_event(self, name: str, fields: dict) -> None:
-        if name == EventName.CHECKPOINT_SAVED:
-            self.last_save_s = fields.get("stall_s", 0.0) + fields.get("write_s", 0.0)
-        self.emit(name, **fields)
+        """The manager's events (handed over as a name and fields), written as the typed events they are."""
+        event = event_of(name, fields)
+        if isinstance(event, CheckpointSaved):
+            self.last_save_s = event.stall_s + event.write_s
+        self.write(event)
 
     def _fence_check(self) -> Optional[str]:
         """The manager's fence: why this save may not commit, or None; ``lease_lost`` once another run holds it."""
@@ -84,9 +88,9 @@ class SessionCheckpoints:
         if verdict is None:
             return None
         if verdict.lost_to is not None and not was_lost:
-            self.emit(EventName.LEASE_LOST, url=self.url, setting="checkpoint.url", holder=verdict.lost_to,
-                      by="worker", step=self.state.progress.step,
-                      reason=f"lease on checkpoint.url={self.url} lost to run {verdict.lost_to}")
+            self.write(LeaseLost(url=self.url, setting="checkpoint.url", holder=verdict.lost_to, by="worker",
+                                step=self.state.progress.step,
+                                reason=f"lease on checkpoint.url={self.url} lost to run {verdict.lost_to}"))
         return verdict.reason
 
     def expected_save_s(self) -> Optional[float]:
@@ -144,8 +148,8 @@ class SessionCheckpoints:
         decided = self.policy.decide(self.interval) if self.policy is not None else None
         interval = collectives.broadcast_object(decided) or PROBE_STEPS
         if self.policy is not None and interval != self.interval:
-            self.emit(EventName.CHECKPOINT_INTERVAL, step=step, every_n_steps=interval, previous=self.interval,
-                      **self.policy.fields())
+            self.write(CheckpointInterval(step=step, every_n_steps=interval, previous=self.interval,
+                                         **self.policy.fields()))
         self.interval = interval
         self._decide_at = max(step + 1, (self.last_saved_step or 0) + interval)
         self._tick = time.perf_counter()  # the save's stall is not a step
@@ -178,8 +182,9 @@ class SessionCheckpoints:
         rng = RankRngStates(self.device, self.ctx.rank, self.seed, self.state.progress)
         self.state.load_state_dict(loaded.state, {RNG_PAYLOAD: rng})
         self.last_saved_step = step
-        self.emit(EventName.CHECKPOINT_LOADED, step=step, world_size=self.ctx.world_size,
-                  saved_world_size=loaded.metadata.get("world_size"), restore_s=time.perf_counter() - started)
+        self.write(CheckpointLoaded(step=step, world_size=self.ctx.world_size,
+                                   saved_world_size=loaded.metadata.get("world_size"),
+                                   restore_s=time.perf_counter() - started))
         return step
 
     def _warn_changed(self, metadata: dict[str, Any], step: int) -> None:
@@ -189,4 +194,4 @@ class SessionCheckpoints:
         changed = [k for k, v in self.fingerprint.items() if saved.get(k) != v]
         if changed and self.ctx.is_main:
             warnings.warn(f"resuming step {step} with changed settings: {', '.join(changed)}", RuntimeWarning)
-            self.emit(EventName.CHECKPOINT_CONFIG_CHANGED, step=step, keys=changed)
+            self.write(CheckpointConfigChanged(step=step, keys=changed))

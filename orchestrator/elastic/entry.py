@@ -12,7 +12,8 @@ from orchestrator.config.compose import load_run_config
 from orchestrator.config.schema import BackendConfig, OrchConfig
 from orchestrator.elastic import collectives
 from orchestrator.elastic.session import Session, report_failure
-from orchestrator.rundir import CONFIG_FILE, EventLog
+from orchestrator.elastic.worker_events import WorkerEvents
+from orchestrator.rundir import CONFIG_FILE
 from orchestrator.runtime.distributed import DistContext, init_process_group
 from orchestrator.runtime.timing import StartupTimes
 
@@ -42,7 +43,7 @@ def init(config: Union[str, os.PathLike, OrchConfig, None] = None, *, run_dir: O
     startup = startup or StartupTimes()
     if "imports_t" not in startup.fields():
         startup.mark("imports")
-    events = EventLog(run_dir) if run_dir is not None else None
+    events = WorkerEvents(run_dir, ctx)  # writes nothing without a run dir
     try:
         cfg = _load_config(config, run_dir)
         startup.mark("config")
@@ -50,8 +51,7 @@ def init(config: Union[str, os.PathLike, OrchConfig, None] = None, *, run_dir: O
         owns = _join(process_group, session, cfg)
         session.owns_process_group = owns
         startup.mark("process_group")
-        if events is not None:
-            session.ft.record_start(events.emit, ctx)  # the round this worker joined
+        session.ft.record_start(events.emit, ctx)  # the round this worker joined
         return session
     except BaseException as exc:
         if not isinstance(exc, SystemExit) or exc.code:

@@ -19,19 +19,20 @@ import math
 import os
 import signal
 import time
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 
 from orchestrator.checkpoint import CheckpointError
 from orchestrator.config.schema import PreemptionConfig
 from orchestrator.elastic import collectives
-from orchestrator.elastic.checkpoints import SessionCheckpoints
+from orchestrator.elastic.checkpoints import SessionCheckpoints, WriteEvent
+from orchestrator.elastic.worker_events import emergency_checkpoint
+from orchestrator.events import PreemptionGraceShort, PreemptionNotice
 from orchestrator.ft.steps import RestartSteps, StepProtocol
 from orchestrator.preemption import (PREEMPTED_EXIT_CODE, AgentNotices, PreemptionWatcher, build_sources,
                                      sigterm_notice_mode)
 from orchestrator.preemption.notices import SIGTERM_SOURCE
-from orchestrator.rundir import EventName
 from orchestrator.runtime.distributed import DistContext
 from orchestrator.runtime.state import Progress
 
@@ -57,10 +58,10 @@ class PreemptionResponse:
     ``ft``: the fault-tolerance mode's step protocol (default restart's), asked whether peers hold the state."""
 
     def __init__(self, cfg: PreemptionConfig, ctx: DistContext, run_dir: Optional[str], device: torch.device,
-                 progress: Progress, checkpoints: Optional[SessionCheckpoints], emit: Callable[..., Any],
+                 progress: Progress, checkpoints: Optional[SessionCheckpoints], write: WriteEvent,
                  ft: Optional[StepProtocol] = None):
         self.cfg, self.ctx, self.device, self.progress = cfg, ctx, device, progress
-        self.checkpoints, self.emit = checkpoints, emit
+        self.checkpoints, self.write = checkpoints, write
         self.ft = ft if ft is not None else RestartSteps()
         sources = [s for s in cfg.sources if run_dir is not None or s not in RUN_DIR_SOURCES]
         # One poller per node is enough (local rank 0); every rank handles SIGTERM, which hits them all, and reads
@@ -80,8 +81,8 @@ class PreemptionResponse:
         notice = self.watcher.notice
         if notice is not None and not self._reported and self.ctx.local_rank == 0:
             self._reported = True
-            self.emit(EventName.PREEMPTION_NOTICE, node=self.ctx.node, source=notice.source, detail=notice.detail,
-                      step=self.progress.step, notice_t=notice.t)
+            self.write(PreemptionNotice(node=self.ctx.node, source=notice.source, detail=notice.detail,
+                                       step=self.progress.step, notice_t=notice.t))
         # One all-reduce for both questions: the earliest notice, and whether any rank is being restarted (-1).
         flags = torch.tensor([notice.t if notice else math.inf, -1.0 if self.watcher.restart_requested else 0.0],
                              dtype=torch.float64, device=self.device)
@@ -116,13 +117,12 @@ class PreemptionResponse:
                 remaining = self.cfg.grace_period_s - (start - notice_t)
                 expected = self.checkpoints.expected_save_s()
                 if expected is not None and expected > remaining:
-                    self.emit(EventName.PREEMPTION_GRACE_SHORT, step=step, expected_save_s=expected,
-                              remaining_s=remaining, grace_period_s=self.cfg.grace_period_s)
+                    self.write(PreemptionGraceShort(step=step, expected_save_s=expected, remaining_s=remaining,
+                                                   grace_period_s=self.cfg.grace_period_s))
             self.checkpoints.save(reason="preemption")
             if self.ctx.is_main:
                 self.checkpoints.manager.wait()  # synchronous: committed before anyone leaves
-                self.emit(EventName.EMERGENCY_CHECKPOINT, step=step, save_s=time.time() - start,
-                          since_notice_s=time.time() - notice_t)
+                self.write(emergency_checkpoint(step, time.time() - start, notice_t))
         collectives.barrier()  # nobody exits before the checkpoint is committed
         notice = self.watcher.notice
         if notice is not None and notice.source != SIGTERM_SOURCE and self.ctx.local_rank == 0 and self._under_agent():

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import traceback
 from dataclasses import asdict, replace
 from typing import Any, Iterator, Mapping, Optional
 
@@ -22,13 +21,14 @@ from orchestrator.elastic.checkpoints import SessionCheckpoints, hash_settings
 from orchestrator.elastic.heartbeat import Heartbeat
 from orchestrator.elastic.metrics import MetricsLog
 from orchestrator.elastic.preemption import PreemptedExit, PreemptionResponse
+from orchestrator.elastic.worker_events import (WorkerEvents, first_step, training_finished, worker_failed,
+                                                worker_started)
 from orchestrator.ft.steps import StepProtocol
 from orchestrator.ft.worker import step_protocol
-from orchestrator.rundir import EventLog, EventName
 from orchestrator.runtime.distributed import DistContext, select_device
 from orchestrator.runtime.sampler import GlobalBatchSampler
-from orchestrator.runtime.state import Progress, Record, TrainingState, params_sha256
-from orchestrator.runtime.timing import NullStepTimer, StartupTimes, latest_over_ranks, timer_for
+from orchestrator.runtime.state import Progress, Record, TrainingState
+from orchestrator.runtime.timing import NullStepTimer, StartupTimes, timer_for
 
 
 class Session:
@@ -62,7 +62,7 @@ class Session:
         self.cfg, self.ctx, self.run_dir = cfg, ctx or DistContext.from_env(), run_dir
         if run_dir is not None:
             os.makedirs(run_dir, exist_ok=True)  # a script may name a run dir of its own (no orch launch made it)
-        self.events = EventLog(run_dir) if run_dir is not None else None
+        self.events = WorkerEvents(run_dir, self.ctx)  # writes nothing without a run dir
         trainer = cfg.trainer if cfg is not None else TrainerConfig()
         ckpt = cfg.checkpoint if cfg is not None else CheckpointConfig()
         if every_n_steps is not None:
@@ -80,9 +80,8 @@ class Session:
         self.startup = startup or StartupTimes()
         self.progress = Progress()
         self.state = TrainingState(self.progress)
-        emit = self._emit_main
         self.checkpoints = (SessionCheckpoints(ckpt, self.checkpoint_url, self.state, self.ctx, self.device, self.seed,
-                                               emit, run_dir=run_dir) if self.checkpoint_url else None)
+                                               self.events.write_main, run_dir=run_dir) if self.checkpoint_url else None)
         self.trackers = open_trackers_rank0(cfg, run_dir, self.ctx.rank) if self.ctx.is_main else None
         self.log_every: int = trainer.log_every if log_every is None else log_every
         """A metrics record every N steps (and at ``max_steps``)."""
@@ -134,16 +133,6 @@ class Session:
         """Global samples trained on so far: the data position to resume at."""
         return self.progress.samples_consumed
 
-    def _emit(self, event: str, **fields: Any) -> None:
-        if self.events is not None:
-            self.events.emit(event, **fields)
-
-    def _emit_main(self, event: str, **fields: Any) -> None:
-        """The run's records come from one worker: rank 0 of the leading group (``ctx.is_main``; the mode may
-        move the lead from step to step)."""
-        if self.ctx.is_main:
-            self._emit(event, **fields)
-
     def sync_gradients(self) -> None:
         """Average the gradients now over what the process group does not span (the other replica groups, in
         a mode where each node is one), e.g. before clipping them without a grad scaler; otherwise a no-op (DDP
@@ -162,7 +151,7 @@ class Session:
                                "every state before session.restore() (or before iterating session.steps())")
         self.state.register({**(states or {}), **named})
         self.startup.mark("model")
-        self.ft = self.ft.attach(self.state, self._emit, Record(self.metrics.window_state,
+        self.ft = self.ft.attach(self.state, self.events.emit, Record(self.metrics.window_state,
                                                                self.metrics.load_window_state))
         self._watch()
 
@@ -174,7 +163,7 @@ class Session:
             self.heartbeat = Heartbeat(self.run_dir, self.ctx, self.cfg.hang.heartbeat_interval_s)
         if self.preemption is None:
             self.preemption = PreemptionResponse(self._preemption_cfg, self.ctx, self.run_dir, self.device,
-                                                 self.progress, self.checkpoints, self._emit, ft=self.ft)
+                                                 self.progress, self.checkpoints, self.events.write, ft=self.ft)
 
     def fingerprint(self, settings: Mapping[str, Any]) -> None:
         """Keep a short hash of each of these settings (values that change the math but not the shapes: learning
@@ -245,10 +234,7 @@ class Session:
             return
         self._started = True
         self.startup.mark("ready")
-        per_rank = collectives.all_gather_object(self.startup.fields(), self.world_size)
-        if self.is_main:
-            self._emit(EventName.WORKER_STARTED, world_size=self.world_size, restart_count=self.ctx.restart_count,
-                       step=self.progress.step, **latest_over_ranks(per_rank))
+        self.events.write_main(worker_started(self.startup, self.ctx, self.progress.step))
         if not late:
             self._start_window()
 
@@ -278,9 +264,8 @@ class Session:
             step_s = time.perf_counter() - self._step_start
             comm_s = self.timer.comm_seconds - self._comm_at_step_start
             self.heartbeat.step_done(p.step, step_s, max(0.0, step_s - comm_s))
-        if self._attempt_steps == 1 and self.is_main:  # what recovery times (MTTR) end on
-            self._emit(EventName.FIRST_STEP, step=p.step, world_size=self.ctx.job_world_size,
-                       restart_count=self.ctx.restart_count)
+        if self._attempt_steps == 1:  # what recovery times (MTTR) end on
+            self.events.write_main(first_step(self.ctx, p.step))
         window = self.ft.window_rolled() if self.metrics.due(p.step) else None
         self.metrics.step_done(p.step, samples, time.perf_counter() - self._step_start, loss, metrics,
                                lambda: self._fields(window))
@@ -323,13 +308,10 @@ class Session:
         if self.checkpoints is not None:
             self.checkpoints.finish()
         self.ft.shutdown()
-        result: dict[str, Any] = {"steps_completed": self.progress.step, "final_loss": self.metrics.last_loss}
-        model = self.state.first_model()
-        if model is not None:
-            result["params_sha256"] = params_sha256(model)
-        result.update(world_size=self.ctx.job_world_size, progress=asdict(self.progress), **fields)
-        if self.is_main:
-            self._emit(EventName.TRAINING_FINISHED, **result)
+        finished = training_finished(self.ctx, self.progress.step, self.metrics.last_loss, self.state.first_model(),
+                                     progress=asdict(self.progress), extra=fields)
+        self.events.write_main(finished)
+        result = finished.fields()
         self._close_trackers()
         self._result = result
         return result
@@ -377,13 +359,10 @@ class Session:
         self.owns_process_group = False
 
 
-def report_failure(events: Optional[EventLog], ctx: DistContext, exc_type, exc, tb) -> None:
+def report_failure(events: WorkerEvents, ctx: DistContext, exc_type, exc, tb) -> None:
     """``worker_failed`` naming this rank (the launcher names the earliest failing rank as the root cause), and
     torchrun's error file (its summary then names the rank too)."""
-    if events is not None:
-        events.emit(EventName.WORKER_FAILED, rank=ctx.rank, node=ctx.node, restart_count=ctx.restart_count,
-                    error=f"{exc_type.__name__}: {exc}",
-                    traceback="".join(traceback.format_exception(exc_type, exc, tb))[-4000:])
+    events.write(worker_failed(ctx, exc_type, exc, tb))
     if "TORCHELASTIC_ERROR_FILE" in os.environ and isinstance(exc, Exception):
         from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 from typing import Any, Optional, Protocol
 
 from orchestrator.config.schema import OrchConfig
+from orchestrator.events import RendezvousEvicted, RendezvousReopened
 from orchestrator.ft import ADDR_ENV, QUORUM_ENV, REPLICA_ENV
 from orchestrator.rendezvous.args import AgentRendezvous
-from orchestrator.rundir import EventLog, EventName
+from orchestrator.rundir import EventLog
 
 
 class DriverMode(Protocol):
@@ -88,11 +89,12 @@ class RestartMode:
             return
         result = self.store.evict(rendezvous_id, pid)
         if result:
-            self.events.emit(EventName.RENDEZVOUS_EVICTED, node=node, agent_pid=pid)
+            self.events.write(RendezvousEvicted(node=node, agent_pid=pid))
             if result.reopened:
-                self.events.emit(EventName.RENDEZVOUS_REOPENED, node=node, round=result.round,
-                                 reason="a member of a complete round left: its survivors re-rendezvous now instead "
-                                        "of waiting for it in process-group init")
+                self.events.write(RendezvousReopened(node=node, round=result.round,
+                                                     reason="a member of a complete round left: its survivors "
+                                                            "re-rendezvous now instead of waiting for it in "
+                                                            "process-group init"))
 
     def close(self) -> None:
         pass

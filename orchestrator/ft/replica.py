@@ -28,9 +28,10 @@ import torch
 from orchestrator.config.schema import OrchConfig
 from orchestrator.ft import REPLICA_ENV
 from orchestrator.ft.coordination import install, process_group
-from orchestrator.ft.steps import Emit, Membership, RestartSteps, StepProtocol
+from orchestrator.events import (Event, QuorumChanged, ReplicaHealed, ReplicaLeft, ReplicaStarted, StepDiscarded,
+                                 StoreClientRefused)
+from orchestrator.ft.steps import Emit, Membership, RestartSteps, StepProtocol, send
 from orchestrator.ft.transport import PeerStateTransport
-from orchestrator.rundir import EventName
 from orchestrator.runtime.distributed import DistContext
 from orchestrator.runtime.state import (Record, RngState, Stateful, TrainingState, params_sha256, rng_state,
                                         set_rng_state)
@@ -48,7 +49,7 @@ class _ReplicaRecords:
         """A replica group's own one-node round: the job's world is the quorum's (``quorum_changed``), and the
         job's attempts are not cut by a group joining."""
         if ctx.rank == 0:
-            emit(EventName.REPLICA_STARTED, node=ctx.node, world_size=ctx.world_size, restart_count=ctx.restart_count)
+            send(emit, ReplicaStarted(node=ctx.node, world_size=ctx.world_size, restart_count=ctx.restart_count))
 
     def sample_record(self, ctx: DistContext, start_sample: int, world_size: int, rank: int) -> tuple[str, dict]:
         """One file per replica group's rank, with the step's data position and the rank's place in the
@@ -117,12 +118,12 @@ class ReplicaGroup(_ReplicaRecords):
         now = time.monotonic()
         if now - self._last_refusal >= 1.0:
             self._last_refusal = now
-            self._emit_group(EventName.STORE_CLIENT_REFUSED, node=self.ctx.node, peer=peer, reason=reason,
-                             port="peer state server")
+            self._send_group(StoreClientRefused(node=self.ctx.node, peer=peer, port="peer state server", reason=reason))
 
-    def _emit_group(self, event: str, **fields: Any) -> None:
+    def _send_group(self, event: Event) -> None:
+        """The group's own events come from its rank 0."""
         if self.ctx.rank == 0:
-            self.emit(event, **fields)
+            send(self.emit, event)
 
     @property
     def manager(self) -> Any:
@@ -197,11 +198,12 @@ class ReplicaGroup(_ReplicaRecords):
         self.ctx.replicas = max(1, self.participants)
         self._began, self._synced, self.committed = True, False, None
         if self.healed_from is not None and self.healed_from["step"] > 0:  # step 0: torchft's initial weight sync
-            self._emit_group(EventName.REPLICA_HEALED, node=self.ctx.node, replica_id=self.replica_id,
-                             source_replica=self.healed_from["replica_id"], source_node=self.healed_from["node"],
-                             step=self.healed_from["step"], heal_s=round(self._quorum_s, 4), checkpoint_read=False,
-                             params_sha256=self.healed_from["loaded_sha256"],
-                             source_params_sha256=self.healed_from["params_sha256"])
+            self._send_group(ReplicaHealed(node=self.ctx.node, replica_id=self.replica_id,
+                                           source_replica=self.healed_from["replica_id"],
+                                           source_node=self.healed_from["node"], step=self.healed_from["step"],
+                                           heal_s=round(self._quorum_s, 4), checkpoint_read=False,
+                                           params_sha256=self.healed_from["loaded_sha256"],
+                                           source_params_sha256=self.healed_from["params_sha256"]))
 
     def attach(self, state: TrainingState, emit: Emit, window: Stateful) -> StepProtocol:
         return self  # attached when made: a later register() adds to the same state
@@ -271,13 +273,13 @@ class ReplicaGroup(_ReplicaRecords):
         if not committed:
             self.window["discarded_s"] += time.perf_counter() - self._step_t0
             self._restore_snapshot()
-            self._emit_group(EventName.STEP_DISCARDED, node=self.ctx.node, step=step, replicas=self.participants,
-                             error=str(self.manager.errored() or "")[:300])
+            self._send_group(StepDiscarded(node=self.ctx.node, step=step, replicas=self.participants,
+                                           error=str(self.manager.errored() or "")[:300]))
         elif self.last_committed_participants != self.participants:
             if self.ctx.is_main:
-                self.emit(EventName.QUORUM_CHANGED, step=step, replicas=self.participants,
-                          previous=self.last_committed_participants,
-                          world_size=self.participants * self.ctx.world_size)
+                send(self.emit, QuorumChanged(step=step, replicas=self.participants,
+                                              previous=self.last_committed_participants,
+                                              world_size=self.participants * self.ctx.world_size))
             self.last_committed_participants = self.participants
         self._began = False
         return committed
@@ -287,7 +289,7 @@ class ReplicaGroup(_ReplicaRecords):
         return self.participants > 1
 
     def left(self, step: int, notice_t: float) -> None:
-        self._emit_group(EventName.REPLICA_LEFT, node=self.ctx.node, step=step, since_notice_s=time.time() - notice_t)
+        self._send_group(ReplicaLeft(node=self.ctx.node, step=step, since_notice_s=time.time() - notice_t))
 
     # -- a discarded step leaves nothing behind ----------------------------------------------------------------
     def _take_snapshot(self) -> dict[str, Any]:

@@ -29,14 +29,20 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-from orchestrator.rundir import EventName
+from orchestrator.events import Event, RendezvousComplete, Restart
 from orchestrator.runtime.distributed import DistContext
 from orchestrator.runtime.state import Stateful, TrainingState
 
 Emit = Callable[..., Any]
-"""``emit(event, **fields)``: writes this worker's event to the run's events (a no-op outside a run)."""
+"""``emit(event, **fields)``: writes this worker's event to the run's events (a no-op outside a run); a mode
+calls it through :func:`send`, with one of orchestrator/events.py's events."""
 Membership = Callable[[], tuple[int, int, int]]
 """Per step: (world size, rank, global sample position) of the step about to be drawn."""
+
+
+def send(emit: Emit, event: Event) -> None:
+    """Hand ``event`` to ``emit`` as the protocol's ``emit`` takes it: its name, then its JSON fields."""
+    emit(event.event, **event.fields())
 
 
 class StepProtocol(Protocol):
@@ -95,11 +101,11 @@ class RestartSteps:
 
     def record_start(self, emit: Emit, ctx: DistContext) -> None:
         if ctx.is_main:
-            emit(EventName.RENDEZVOUS_COMPLETE, world_size=ctx.world_size, restart_count=ctx.restart_count,
-                 nnodes=ctx.world_size // ctx.local_world_size)
+            send(emit, RendezvousComplete(world_size=ctx.world_size, restart_count=ctx.restart_count,
+                                          nnodes=ctx.world_size // ctx.local_world_size))
             if ctx.restart_count:
-                emit(EventName.RESTART, restart_count=ctx.restart_count, world_size=ctx.world_size,
-                     reason="workers restarted by the torchrun agent")
+                send(emit, Restart(restart_count=ctx.restart_count, world_size=ctx.world_size,
+                                   reason="workers restarted by the torchrun agent"))
 
     def attach(self, state: TrainingState, emit: Emit, window: Stateful) -> StepProtocol:
         return self

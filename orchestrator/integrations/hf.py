@@ -47,14 +47,17 @@ from orchestrator.elastic import collectives
 from orchestrator.elastic.metrics import flatten, progress_line
 from orchestrator.elastic.preemption import PreemptedExit, PreemptionResponse
 from orchestrator.elastic.session import open_trackers_rank0
+from orchestrator.elastic.worker_events import (WorkerEvents, emergency_checkpoint, first_step, training_finished,
+                                                worker_started)
 from orchestrator.errors import ConfigError
+from orchestrator.events import CheckpointLoaded, CheckpointSaved
 from orchestrator.ft.steps import StepProtocol
 from orchestrator.ft.worker import step_protocol
 from orchestrator.preemption.notices import SIGTERM_SOURCE
-from orchestrator.rundir import CONFIG_FILE, METRICS_FILE, EventLog, EventName, append_jsonl
+from orchestrator.rundir import CONFIG_FILE, METRICS_FILE, append_jsonl
 from orchestrator.runtime.distributed import DistContext
-from orchestrator.runtime.state import Progress, params_sha256
-from orchestrator.runtime.timing import StartupTimes, latest_over_ranks
+from orchestrator.runtime.state import Progress
+from orchestrator.runtime.timing import StartupTimes
 
 RUN_DIR_ENV = "ORCH_RUN_DIR"
 COMPLETE_MARKER = "orch_complete.json"
@@ -179,7 +182,7 @@ class OrchCallback(TrainerCallback):
         self.run_dir = run_dir if run_dir is not None else orch_run_dir()
         self.cfg = cfg if cfg is not None else run_config(self.run_dir)
         self.ctx = DistContext.from_env()
-        self.events = EventLog(self.run_dir) if self.run_dir is not None else None  # most events: rank 0's only
+        self.events = WorkerEvents(self.run_dir, self.ctx)  # most events: rank 0's only
         self.startup = StartupTimes()
         self.startup.mark("imports")
         self.exit_on_preemption = exit_on_preemption
@@ -200,39 +203,25 @@ class OrchCallback(TrainerCallback):
         self._last_loss: Optional[float] = None
         self._finished = False
 
-    def _emit(self, event: str, **fields: Any) -> None:
-        """Any rank's event (the preemption agreement records the noticed node's ``preemption_notice``)."""
-        if self.events is not None:
-            self.events.emit(event, **fields)
-
-    def _emit0(self, event: str, **fields: Any) -> None:
-        """Rank 0's event."""
-        if self.ctx.is_main:
-            self._emit(event, **fields)
-
     # -- start ----------------------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
         """Every rank: watch for notices; rank 0 records the round (``rendezvous_complete``, ``restart``), the
         resumed checkpoint and ``worker_started`` (start-up milestones, latest over ranks)."""
-        self.ctx = DistContext.from_env()
+        self.ctx = self.events.ctx = DistContext.from_env()
         self.progress.step = state.global_step
         preemption_cfg = self.cfg.preemption if self.cfg is not None else PreemptionConfig()
         if self.preemption is None:
             self.preemption = _HFPreemption(preemption_cfg, self.ctx, self.run_dir, args.device, self.progress,
-                                            None, self._emit, ft=self.ft)
+                                            None, self.events.write, ft=self.ft)
         self.startup.mark("model")
-        self.ft.record_start(self._emit, self.ctx)
+        self.ft.record_start(self.events.emit, self.ctx)
         if self.ctx.is_main:
             if state.global_step:
-                self._emit(EventName.CHECKPOINT_LOADED, step=state.global_step, world_size=self.ctx.world_size,
-                           source="hf")
+                self.events.write(CheckpointLoaded(step=state.global_step, world_size=self.ctx.world_size, source="hf"))
             self.trackers = open_trackers_rank0(self.cfg, self.run_dir, self.ctx.rank)
         self.startup.mark("restore")
         self.startup.mark("ready")
-        per_rank = collectives.all_gather_object(self.startup.fields(), self.ctx.world_size)
-        if self.ctx.is_main:
-            self._emit(EventName.WORKER_STARTED, world_size=self.ctx.world_size, restart_count=self.ctx.restart_count,
-                       step=state.global_step, **latest_over_ranks(per_rank))
+        self.events.write_main(worker_started(self.startup, self.ctx, state.global_step))
         self._window = (time.perf_counter(), 0)
         self._step_start = time.perf_counter()
         return control
@@ -251,8 +240,7 @@ class OrchCallback(TrainerCallback):
         self._window = (start, steps + 1)
         self._attempt_steps += 1
         if self._attempt_steps == 1:
-            self._emit0(EventName.FIRST_STEP, step=state.global_step, world_size=self.ctx.world_size,
-                       restart_count=self.ctx.restart_count)
+            self.events.write_main(first_step(self.ctx, state.global_step))
         if self.preemption is not None:
             try:
                 self.preemption.check()  # os._exit()s on an agreed torchrun restart
@@ -303,12 +291,11 @@ class OrchCallback(TrainerCallback):
         self._save_start = None
         if self.ctx.is_main:
             self._mark(folder, state.global_step, "preemption" if self.leaving is not None else "periodic")
-            self._emit(EventName.CHECKPOINT_SAVED, step=state.global_step, path=folder, stall_s=save_s, write_s=0.0,
-                       reason="preemption" if self.leaving is not None else "periodic", source="hf")
+            self.events.write(CheckpointSaved(step=state.global_step, path=folder, stall_s=save_s, write_s=0.0,
+                                              reason="preemption" if self.leaving is not None else "periodic",
+                                              source="hf"))
         if self.leaving is not None:
-            if self.ctx.is_main:
-                self._emit(EventName.EMERGENCY_CHECKPOINT, step=state.global_step, save_s=save_s,
-                           since_notice_s=time.time() - self.leaving)
+            self.events.write_main(emergency_checkpoint(state.global_step, save_s, self.leaving))
             collectives.barrier()  # nobody leaves before the checkpoint is marked complete
             self._leave(state.global_step)
         return control
@@ -338,11 +325,8 @@ class OrchCallback(TrainerCallback):
             return control
         self._finished = True
         if self.ctx.is_main:
-            result: dict[str, Any] = {"steps_completed": state.global_step, "final_loss": self._last_loss,
-                                      "world_size": self.ctx.world_size}
-            if isinstance(model, torch.nn.Module):
-                result["params_sha256"] = params_sha256(model)
-            self._emit(EventName.TRAINING_FINISHED, **result)
+            self.events.write(training_finished(self.ctx, state.global_step, self._last_loss,
+                                                model if isinstance(model, torch.nn.Module) else None))
         self._close_trackers()
         return control
 

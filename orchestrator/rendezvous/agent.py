@@ -23,7 +23,8 @@ import time
 from datetime import timedelta
 from typing import Any, Callable
 
-from orchestrator.rundir import EventLog, EventName
+from orchestrator.events import Event, StoreClientRefused, StoreValueRefused
+from orchestrator.rundir import EventLog
 from orchestrator.trust.relay import LocalRelay
 from orchestrator.trust.secret import RUN_SECRET_ENV
 
@@ -52,23 +53,24 @@ def recorder(node: str) -> tuple[Callable[[str, str], None], Callable[[str], Non
     last: dict[str, float] = {}
     lock = threading.Lock()
 
-    def emit(kind: str, event: str, **fields) -> None:
+    def write(kind: str, event: Event) -> None:
         with lock:
             now = time.monotonic()
             if now - last.get(kind, -1e9) < 1.0:
                 return
             last[kind] = now
         if events is not None:
-            events.emit(event, node=node, **fields)
-        print(f"[orch] {node}: {event} {fields}", file=sys.stderr, flush=True)
+            events.write(event)
+        fields = {k: v for k, v in event.fields().items() if k != "node"}
+        print(f"[orch] {node}: {event.event} {fields}", file=sys.stderr, flush=True)
 
     def client_refused(peer: str, reason: str) -> None:
-        emit(f"client:{peer.rsplit(':', 1)[0]}", EventName.STORE_CLIENT_REFUSED, peer=peer, reason=reason,
-             port="agent relay")
+        write(f"client:{peer.rsplit(':', 1)[0]}",
+              StoreClientRefused(node=node, peer=peer, port="agent relay", reason=reason))
 
     def value_refused(key: str) -> None:
-        emit(f"value:{key}", EventName.STORE_VALUE_REFUSED, key=key, peer="orch's store (read by this agent)",
-             reason="not sealed with the run's secret")
+        write(f"value:{key}", StoreValueRefused(node=node, key=key, peer="orch's store (read by this agent)",
+                                                reason="not sealed with the run's secret"))
 
     return client_refused, value_refused
 

@@ -11,15 +11,15 @@ from typing import Any, Optional
 
 from orchestrator.report.goodput import compute_goodput
 from orchestrator.report.efficiency import run_efficiency
-from orchestrator.rundir import EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, latest_launch, read_jsonl
+from orchestrator.rundir import EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, EventName, latest_launch, read_jsonl
 
 
 
 def root_cause(events: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     """The earliest failure: a lost node before any worker error (the survivors' errors are its echo), else
     the first worker exception (duplicates grouped), else the first agent that failed."""
-    failures = [e for e in events if e["event"] == "worker_failed"]
-    lost = [e for e in events if e["event"] == "node_lost"]
+    failures = [e for e in events if e["event"] == EventName.WORKER_FAILED]
+    lost = [e for e in events if e["event"] == EventName.NODE_LOST]
     if lost and (not failures or min(e["t"] for e in lost) < min(e["t"] for e in failures)):
         first = min(lost, key=lambda e: e["t"])
         return {"rank": None, "node": first.get("node"), "error": f"node {first.get('node')} lost: {first.get('reason')}"}
@@ -28,11 +28,14 @@ def root_cause(events: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
         same = [e["rank"] for e in failures if e.get("error") == first.get("error")]
         return {"rank": first["rank"], "node": first.get("node"), "error": first.get("error"),
                 "also_failed_ranks": sorted(set(same) - {first["rank"]})}
-    exits = [e for e in events if e["event"] in ("node_failed", "node_lost")]
+    exits = [e for e in events if e["event"] in (EventName.NODE_FAILED, EventName.NODE_LOST)]
     if exits:
         first = min(exits, key=lambda e: e["t"])
         return {"rank": None, "node": first.get("node"), "error": first.get("reason")}
     return None
+
+
+WORLD_EVENTS = (EventName.RENDEZVOUS_COMPLETE, EventName.QUORUM_CHANGED)  # a round's world; per_step: a quorum's
 
 
 def world_size_history(events: list[dict[str, Any]]) -> list[int]:
@@ -40,13 +43,14 @@ def world_size_history(events: list[dict[str, Any]]) -> list[int]:
     [2, 1, 2] = shrink, grow."""
     history: list[int] = []
     for e in events:
-        if e["event"] in ("rendezvous_complete", "quorum_changed") and (not history or history[-1] != e["world_size"]):
+        if e["event"] in WORLD_EVENTS and (not history or history[-1] != e["world_size"]):
             history.append(e["world_size"])
     return history
 
 
-LOSS_EVENTS = ("chaos_kill", "node_lost", "chaos_partition", "hang_detected")  # partition: orch testcluster; hang: its node ended
-STEP_EVENTS = ("recovered", "first_step", "quorum_changed")  # quorum_changed: per_step survivors
+# partition: orch testcluster; hang: its node ended
+LOSS_EVENTS = (EventName.CHAOS_KILL, EventName.NODE_LOST, EventName.CHAOS_PARTITION, EventName.HANG_DETECTED)
+STEP_EVENTS = (EventName.RECOVERED, EventName.FIRST_STEP, EventName.QUORUM_CHANGED)  # quorum_changed: per_step survivors
 
 
 def recoveries(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -74,8 +78,8 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
     events = latest_launch(read_jsonl(run_dir / EVENTS_FILE))
     start = events[0]["t"] if events else None
     metrics = [m for m in read_jsonl(run_dir / METRICS_FILE) if start is None or m["t"] >= start]
-    finished = next((e for e in reversed(events) if e["event"] == "training_finished"), {})
-    run_finished = next((e for e in reversed(events) if e["event"] == "run_finished"), None)
+    finished = next((e for e in reversed(events) if e["event"] == EventName.TRAINING_FINISHED), {})
+    run_finished = next((e for e in reversed(events) if e["event"] == EventName.RUN_FINISHED), None)
     status = run_finished["status"] if run_finished else "incomplete"
     summary = {
         "status": status,
@@ -87,10 +91,10 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         "recoveries": recoveries(events),
         "wall_s": (run_finished["t"] - start) if run_finished and start else None,
         "params_sha256": finished.get("params_sha256"),
-        "restarts": sum(1 for e in events if e["event"] == "restart"),
-        "preemptions": sum(1 for e in events if e["event"] == "node_preempted"),
+        "restarts": sum(1 for e in events if e["event"] == EventName.RESTART),
+        "preemptions": sum(1 for e in events if e["event"] == EventName.NODE_PREEMPTED),
         "goodput": compute_goodput(events, metrics),
-        "nodes_lost": sum(1 for e in events if e["event"] == "node_lost"),
+        "nodes_lost": sum(1 for e in events if e["event"] == EventName.NODE_LOST),
         "samples_per_s": (sum(m["samples_per_s"] for m in metrics) / len(metrics)) if metrics else None,
         **run_efficiency(metrics),  # throughput_by_world_size, scaling_efficiency, step_time
     }

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Optional
 
 from orchestrator.errors import EnvironmentMismatch
-from orchestrator.rundir import EventLog, EventName
+from orchestrator.events import TestclusterRayNodeStarted
+from orchestrator.rundir import EventLog
 from orchestrator.testcluster import cluster
 from orchestrator.testcluster.state import ClusterState, enter_argv
 
@@ -73,8 +74,9 @@ class RayHosts:
                                             start_new_session=True)
         log.close()
         if self.events:
-            self.events.emit(EventName.TESTCLUSTER_RAY_NODE_STARTED, node=node, host=self.state.nodes[node].hostname,
-                             address=self.state.nodes[node].address, pid=self.procs[node].pid, restart=restart)
+            host = self.state.nodes[node]
+            self.events.write(TestclusterRayNodeStarted(node=node, host=host.hostname, address=host.address,
+                                                        pid=self.procs[node].pid, restart=restart))
 
     def start_all(self) -> None:
         # One at a time: nodes on one machine share the session dir, and raylets starting together pick the

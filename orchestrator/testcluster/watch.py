@@ -35,13 +35,15 @@ from typing import Callable, Optional
 import psutil
 
 from orchestrator.rendezvous.rounds import RoundWatch
-from orchestrator.rundir import EventLog, EventName, append_jsonl
+from orchestrator.events import (ChaosHeal, ChaosKill, ChaosPartition, RoundBroken, StaleWorkersEnded,
+                                 TestclusterBindings)
+from orchestrator.rundir import EventLog
 from orchestrator.testcluster import cluster
 from orchestrator.testcluster import netns as nx
 from orchestrator.testcluster.state import ClusterState
 
 POLL_INTERVAL_S = 0.5
-FAULT_EVENTS = {"partition": EventName.CHAOS_PARTITION, "heal": EventName.CHAOS_HEAL, "kill": EventName.CHAOS_KILL}
+FAULT_EVENTS = {"partition": ChaosPartition, "heal": ChaosHeal, "kill": ChaosKill}
 SILENCE_MARGIN_S = 2.0
 """Added to interval x attempts: a keep-alive is written only once the last one is an interval old, and
 read through a cache of up to a second, so a healthy member's can be that much older."""
@@ -144,9 +146,9 @@ class ClusterWatch:
         for fault in faults[self._faults_seen:]:
             if fault["t"] >= self.since and fault["fault"] in FAULT_EVENTS:
                 # The fault's own time, not when this tick saw it: recovery times start at the fault.
-                append_jsonl(self.events.path, {"t": fault["t"], "event": FAULT_EVENTS[fault["fault"]],
-                                                "node": fault["node"], "host": fault["hostname"], "source": "testcluster",
-                                                **({"pids": fault["pids"]} if "pids" in fault else {})})
+                event = FAULT_EVENTS[fault["fault"]](node=fault["node"], host=fault["hostname"], source="testcluster",
+                                                     **({"pids": fault["pids"]} if "pids" in fault else {}))
+                self.events.write(event, t=fault["t"])
                 if fault["fault"] == "heal":
                     self._healed.add(fault["node"])
         self._faults_seen = len(faults)
@@ -175,12 +177,12 @@ class ClusterWatch:
         self._acted_round = self.rounds.round
         ended = _end(victims)
         hosts = [m.addr for m in silent]
-        self.events.emit(EventName.ROUND_BROKEN, round=self.rounds.round, silent_nodes=sorted(by_pid.get(m.pid, -1) for m in silent),
-                         silent_hosts=hosts, silent_for_s=self.rounds.silence(), survivors=survivors,
-                         ended_worker_pids=ended,
-                         reason=f"no rendezvous keep-alive from {', '.join(hosts)} for over {self.silence_s:g} s while "
-                                f"the other nodes' workers sat blocked for {IDLE_WINDOW_S:g} s: ended those workers so "
-                                "their agents re-rendezvous instead of waiting out backend.timeout_s")
+        self.events.write(RoundBroken(
+            round=self.rounds.round, silent_nodes=sorted(by_pid.get(m.pid, -1) for m in silent), silent_hosts=hosts,
+            silent_for_s=self.rounds.silence(), survivors=survivors, ended_worker_pids=ended,
+            reason=f"no rendezvous keep-alive from {', '.join(hosts)} for over {self.silence_s:g} s while the other "
+                   f"nodes' workers sat blocked for {IDLE_WINDOW_S:g} s: ended those workers so their agents "
+                   "re-rendezvous instead of waiting out backend.timeout_s"))
 
     def _end_stale_workers(self, agent_pids: dict[int, int]) -> None:
         """A healed node whose agent the rendezvous no longer knows (the survivors went on without it) still runs
@@ -201,9 +203,10 @@ class ClusterWatch:
                 workers = psutil.Process(agent_pids[node]).children()
             except psutil.NoSuchProcess:
                 continue
-            self.events.emit(EventName.STALE_WORKERS_ENDED, node=node, ended_worker_pids=_end(workers),
-                             reason=f"node {node} was healed but the rendezvous went on without it: ended its workers "
-                                    "of the dead round so its agent rejoins instead of waiting on them")
+            self.events.write(StaleWorkersEnded(node=node, ended_worker_pids=_end(workers),
+                                                reason=f"node {node} was healed but the rendezvous went on without it: "
+                                                       "ended its workers of the dead round so its agent rejoins "
+                                                       "instead of waiting on them"))
 
     def _record_bindings(self, agent_pids: dict[int, int]) -> None:
         """Once per round, when every rank is connected to another node: which address each rank's TCP
@@ -232,8 +235,8 @@ class ClusterWatch:
             return  # workers still starting, or a single node: nothing crosses a link yet
         self._bound_round = self.rounds.round
         ranks.sort(key=lambda r: r["rank"])
-        self.events.emit(EventName.TESTCLUSTER_BINDINGS, round=self.rounds.round, ranks=ranks,
-                         own_address_only=all(r["local_addresses"] == [r["address"]] for r in ranks))
+        self.events.write(TestclusterBindings(round=self.rounds.round, ranks=ranks,
+                                              own_address_only=all(r["local_addresses"] == [r["address"]] for r in ranks)))
         with (self.run_dir / "logs" / "testcluster.log").open("a") as log:
             for r in ranks:
                 log.write(f"round {self.rounds.round}: rank {r['rank']} on {r['host']} ({r['address']}): TCP sockets "
