@@ -1,4 +1,5 @@
-"""Helpers for tests that run orch as users do: the real CLI in a subprocess, ended by PID."""
+"""Helpers for tests that run orch as users do: the real CLI in a subprocess, ended by PID (the slow tier), or
+the CLI's own main in this process where a test needs only the command's exit code and output (orch_here)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 docs/reliability.md's table holds exactly the message each one gets.
 
 Each case runs the real CLI entry (``orchestrator.cli.main``) in this process, in an empty working directory,
-once per session: the per-case test and the table test both read that outcome. The cases of issue #23 also run
+once (a module fixture): the per-case test and the table test both read that outcome. The cases of issue #23 also run
 as the ``orch`` command in a process of its own (slow). ``python tests/test_bad_inputs.py`` prints the table
 rows for the docs.
 """
