@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from orchestrator.events import Event, EventName, parse  # EventName: importable from here, as it always was
+from orchestrator.events import Event, EventName  # EventName: importable from here, as it always was
 
 CONFIG_FILE = "config.yaml"  # the resolved config every worker loads
 PLAN_FILE = "plan.json"  # the launch plan, as `orch launch --dry-run` prints it
@@ -139,13 +139,8 @@ class EventLog:
         return record
 
     def read(self) -> list[dict[str, Any]]:
+        """Every record (:func:`orchestrator.events.parse` gives one's typed event)."""
         return read_jsonl(self.path)
-
-    def read_events(self) -> list[tuple[float, Event]]:
-        """Every known event with its time, typed (:func:`orchestrator.events.parse`: a missing field reads
-        as None; records of no known event are left out)."""
-        typed = ((record.get("t"), parse(record)) for record in self.read())
-        return [(t, event) for t, event in typed if event is not None and isinstance(t, (int, float))]
 
     def tail(self, from_end: bool = True) -> JsonlTail:
         return JsonlTail(self.path, from_end)
