@@ -30,9 +30,11 @@ def test_detached_launch_survives_its_terminal_then_status_logs_stop_resume(tmp_
     run_dir = tmp_path / "run"
     launch = [*ORCH, "launch", "conf=cpu_gloo", "trainer.max_steps=400", *SLOW, f"run.dir={run_dir}", "--detach"]
     # A "terminal": its own session, which launches and then hangs up on its whole process group, as closing a
-    # terminal window does.
+    # terminal window does. SIGHUP as a terminal's processes have it, whatever this test inherited (under nohup
+    # it is ignored, and a shell cannot un-ignore it: the hangup would reach nothing).
     terminal = subprocess.run(["setsid", "bash", "-c", f"{shlex.join(launch)}; kill -HUP -$$"], capture_output=True,
-                              text=True, env=orch_env(), timeout=60)
+                              text=True, env=orch_env(), timeout=60,
+                              preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     pid = json.loads((run_dir / "launch.json").read_text())["supervisor"]["pid"]
     try:
         assert terminal.returncode == -signal.SIGHUP, terminal.stderr  # the terminal died of the hangup
