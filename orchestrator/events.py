@@ -158,15 +158,16 @@ class Event:
 
 def parse(record: Mapping[str, Any]) -> Optional[Event]:
     """The typed event of one ``events.jsonl`` record (see :meth:`Event.from_record`); None for a record
-    without a known ``"event"``."""
-    cls = EVENT_TYPES.get(record.get("event"))  # type: ignore[arg-type]
+    without a known ``"event"`` (or no JSON object at all)."""
+    name = record.get("event") if isinstance(record, Mapping) else None
+    cls = EVENT_TYPES.get(name) if isinstance(name, str) else None  # type: ignore[call-overload]
     return cls.from_record(record) if cls is not None else None
 
 
 def event_of(name: str, fields: Mapping[str, Any]) -> Event:
     """The event ``name`` with ``fields`` (JSON keys), strictly, as its constructor takes them: for a callback
     that hands an event on as a name and fields. ValueError for a name not in :class:`EventName`; TypeError
-    for a field the event lacks (unless it has a spread field) or does not have."""
+    for a field the event does not have (and no spread field takes), or a field it needs that is not given."""
     cls = EVENT_TYPES.get(name)  # type: ignore[call-overload]
     if cls is None:
         raise ValueError(f"{name!r} is not an event of orchestrator.events.EventName")

@@ -54,7 +54,10 @@ class WorkerView:
 
     def update(self) -> None:
         for record in self._tail.read_new():
-            event, t = parse(record), record.get("t")
+            event = parse(record)
+            if event is None:
+                continue
+            t = record.get("t")
             if isinstance(event, ChaosKill):
                 self._losses.append(t)
             elif isinstance(event, TrainingFinished) and self.training_finished is None:
