@@ -154,10 +154,12 @@ def test_bad_checkpoint_url_exits_2_before_training(tmp_path, s3_env, capsys, ur
 @pytest.mark.slow
 
 def test_model_that_does_not_fit_the_checkpoint_is_refused_with_its_keys(tmp_path):
+    """One node: loading a checkpoint into a model of another shape fails the same on every rank."""
     run_dir = tmp_path / "run"
-    first = run_orch("launch", "conf=cpu_gloo", "launcher=local", "trainer.max_steps=4", f"run.dir={run_dir}")
+    first = run_orch("launch", "conf=cpu_gloo", "launcher=local", "cluster.nnodes=1", "trainer.max_steps=4",
+                     f"run.dir={run_dir}")
     assert first.returncode == 0, first.stderr[-2000:]
-    again = run_orch("launch", "conf=cpu_gloo", "launcher=local", "trainer.max_steps=8", "model.hidden_size=32",
-                     "cluster.max_restarts=0", f"run.dir={run_dir}")
+    again = run_orch("launch", "conf=cpu_gloo", "launcher=local", "cluster.nnodes=1", "trainer.max_steps=8",
+                     "model.hidden_size=32", "cluster.max_restarts=0", f"run.dir={run_dir}")
     assert again.returncode == 1
     assert "does not fit the model" in again.stderr and "shape changed (" in again.stderr and "embedding_norm.weight (64,)->(32,)" in again.stderr
