@@ -142,11 +142,7 @@ SECRET = "scale-up-test-secret"
 def start_agent(node, log: Path) -> subprocess.Popen:
     """One node's torchrun agent as the controller starts it (the plan's argv and env, torchrun behind orch's
     agent module with the run's secret), outside any launcher."""
-    from orchestrator.rendezvous.agent import MODULE
-
-    argv = node.launch_argv()
-    argv = [argv[0], "-m", MODULE, *argv[3:]]
-    return subprocess.Popen(argv, env=orch_env({**node.env, "ORCH_RUN_SECRET": SECRET}), stdout=log.open("w"),
+    return subprocess.Popen(list(node.argv), env=orch_env({**node.env, "ORCH_RUN_SECRET": SECRET}), stdout=log.open("w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 

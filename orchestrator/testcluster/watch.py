@@ -47,7 +47,7 @@ FAULT_EVENTS = {"partition": ChaosPartition, "heal": ChaosHeal, "kill": ChaosKil
 SILENCE_MARGIN_S = 2.0
 """Added to interval x attempts: a keep-alive is written only once the last one is an interval old, and
 read through a cache of up to a second, so a healthy member's can be that much older."""
-BINDINGS_INTERVAL_S = 2.0
+BINDINGS_INTERVAL_S = 1.0
 IDLE_WINDOW_S = 3.0
 IDLE_CPU_S = 0.15
 """A worker that used less CPU than this over IDLE_WINDOW_S is blocked (a training worker uses far more,
@@ -219,17 +219,19 @@ class ClusterWatch:
         for node, pid in sorted(agent_pids.items()):
             host = self.state.nodes[node]
             try:
-                workers = psutil.Process(pid).children()
+                workers = [(w, w.environ()) for w in psutil.Process(pid).children(recursive=True)]
                 conns = nx.tcp_connections(host.netns)
-                for w in workers:
-                    # Loopback is the worker's own host (its agent's store relay): only what leaves it counts.
-                    mine = [c for c in conns if w.pid in c["pids"] and not _loopback(c["local"])]
-                    ranks.append({"rank": int(w.environ().get("RANK", -1)), "node": node, "host": host.hostname,
-                                  "address": host.address, "pid": w.pid,
-                                  "local_addresses": sorted({c["local"].rsplit(":", 1)[0] for c in mine}),
-                                  "peer_addresses": sorted({c["peer"].rsplit(":", 1)[0] for c in mine})})
             except (psutil.Error, OSError):
-                return
+                return  # an agent or a worker between rounds: try again next tick
+            for w, env in workers:
+                if "RANK" not in env:
+                    continue  # not a rank (a helper process of torch's or Python's)
+                # Loopback is the worker's own host (its agent's store relay): only what leaves it counts.
+                mine = [c for c in conns if w.pid in c["pids"] and not _loopback(c["local"])]
+                ranks.append({"rank": int(env["RANK"]), "node": node, "host": host.hostname,
+                              "address": host.address, "pid": w.pid,
+                              "local_addresses": sorted({c["local"].rsplit(":", 1)[0] for c in mine}),
+                              "peer_addresses": sorted({c["peer"].rsplit(":", 1)[0] for c in mine})})
         addresses = {n.address for n in self.state.nodes}
         if len(ranks) < 2 or not all(set(r["peer_addresses"]) & (addresses - {r["address"]}) for r in ranks):
             return  # workers still starting, or a single node: nothing crosses a link yet
