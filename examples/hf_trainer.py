@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import BertConfig, BertForMaskedLM, Trainer
 
-from orchestrator.integrations.hf import OrchCallback, latest_checkpoint, orch_training_args
+from orchestrator.integrations.hf import OrchCallback, averages_its_own_loss, latest_checkpoint, orch_training_args
 
 VOCAB, SEQ = 128, 16
 
@@ -53,7 +53,8 @@ def main() -> None:
     torch.manual_seed(0)  # the same initial weights on every rank
     config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64, max_position_embeddings=SEQ)
-    trainer = Trainer(model=BertForMaskedLM(config), args=args, train_dataset=SyntheticTokens(),
+    model = averages_its_own_loss(BertForMaskedLM(config))  # its loss is a mean: no world x accumulation scaling
+    trainer = Trainer(model=model, args=args, train_dataset=SyntheticTokens(),
                       callbacks=[OrchCallback()])
     resume = latest_checkpoint(args.output_dir)  # the newest complete checkpoint; None: a fresh start
     if args.process_index == 0:

@@ -4,6 +4,7 @@ Trainer, no processes), and one real launch of examples/hf_trainer.py preempted 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -183,6 +184,26 @@ def test_metrics_records_and_goodput_events(tmp_path, monkeypatch):
     assert finished["steps_completed"] == 4 and finished["final_loss"] == -1.0 and len(finished["params_sha256"]) == 64
 
 
+def test_a_model_that_averages_its_own_loss_is_found_and_marked(tmp_path, monkeypatch, capsys):
+    """BertForMaskedLM takes **kwargs but averages its loss itself: transformers would scale its loss and gradients
+    by world x accumulation. The callback warns with the fix; averages_its_own_loss is the fix."""
+    from transformers import BertConfig, BertForMaskedLM
+    from transformers.utils import logging as hf_logging
+
+    bert = BertForMaskedLM(BertConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                                      intermediate_size=8, max_position_embeddings=4))
+    assert hf._loss_scaled_by_trainer(bert) and not hf._loss_scaled_by_trainer(__import__("torch").nn.Linear(2, 1))
+    try:
+        callback, args, state, control = started(tmp_path, monkeypatch)
+        assert not hf_logging.is_progress_bar_enabled(), "under orch: no tqdm bars in the worker's log"
+        callback.on_train_begin(args, state, control, model=bert)
+        assert "scales its loss and gradients by 6" in capsys.readouterr().err, "world 1 x accumulation 6"
+        callback.on_train_begin(args, state, control, model=hf.averages_its_own_loss(bert))
+        assert "warning" not in capsys.readouterr().err and not hf._loss_scaled_by_trainer(bert)
+    finally:
+        hf_logging.enable_progress_bar()
+
+
 # -- the example under orch -------------------------------------------------------------------------------------
 
 HF_STEPS = 200
@@ -204,8 +225,19 @@ def test_the_hf_example_survives_a_preemption_with_every_step_once(tmp_path):
     final = hf.latest_checkpoint(str(run_dir / "checkpoints" / "hf"))
     assert final is not None and final.endswith(f"checkpoint-{HF_STEPS}")
     assert json.loads((Path(final) / "trainer_state.json").read_text())["global_step"] == HF_STEPS
-    steps = [m["step"] for m in read_jsonl(run_dir / METRICS_FILE)]
-    assert sorted(steps) == list(range(1, HF_STEPS + 1)), "every step trained exactly once"
+    metrics = read_jsonl(run_dir / METRICS_FILE)
+    assert sorted(m["step"] for m in metrics) == list(range(1, HF_STEPS + 1)), "every step trained exactly once"
+    # The loss is HF's standalone one at world 2 x accumulation 3: the same first loss as `python
+    # examples/hf_trainer.py` (world 1, no accumulation), and no record scaled (before or after the recovery).
+    standalone = subprocess.run([sys.executable, "examples/hf_trainer.py", "--output-dir", str(tmp_path / "alone"),
+                                 "--max-steps", "1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    alone = float(re.search(r"'train_loss': '?([0-9.]+)", standalone.stdout + standalone.stderr).group(1))
+    first = next(m["loss"] for m in metrics if m["step"] == 1)
+    assert abs(first - alone) <= 0.1 * alone, (first, alone)
+    assert max(m["loss"] for m in metrics) <= 1.1 * alone, "no record scaled by world x accumulation"
+    log = (tmp_path / "orch.log").read_text()
+    assert "EADDRINUSE" not in log and "address already in use" not in log.lower(), "no port collided on recovery"
+    assert "Writing model shards" not in log, "HF's tqdm bars stay out of the worker logs"
 
 
 ACCELERATE_SCRIPT = '''

@@ -6,6 +6,9 @@
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[OrchCallback()])
     trainer.train(resume_from_checkpoint=latest_checkpoint(args.output_dir))
 
+A model whose loss is already a mean (``BertForMaskedLM``) goes through :func:`averages_its_own_loss` first:
+transformers would scale its loss and gradients by world size x accumulation otherwise.
+
 Checkpoints are HF's own (``checkpoint-<step>/`` under ``<checkpoint.url or run dir/checkpoints>/hf``), so HF's
 resume (optimizer, scheduler, RNG, data position) is used unchanged. HF writes a checkpoint file by file and
 nothing says when it is done, so the callback marks one complete (``orch_complete.json``, written by rank 0
@@ -143,6 +146,35 @@ def orch_training_args(cfg: Optional[OrchConfig] = None, **kwargs: Any) -> Train
     return TrainingArguments(**{**filled, **kwargs})
 
 
+def averages_its_own_loss(model: torch.nn.Module) -> torch.nn.Module:
+    """Tells ``transformers.Trainer`` that ``model`` returns a mean loss and ignores ``num_items_in_batch``
+    (``BertForMaskedLM`` and other heads that call ``CrossEntropyLoss()`` themselves); returns ``model``.
+
+    Why: the Trainer takes a ``forward(**kwargs)`` for one that sums its loss over the batch's tokens, so it
+    neither divides by ``gradient_accumulation_steps`` nor undoes its multiplication by the world size, and both
+    the logged loss and the gradients come out ``world size x accumulation`` times too large (orch sets both to
+    keep ``trainer.global_batch_size``). Call it before building the Trainer."""
+    model.accepts_loss_kwargs = False
+    return model
+
+
+def _loss_scaled_by_trainer(model: torch.nn.Module) -> bool:
+    """Whether the Trainer will take ``model``'s loss for a token sum it is not (see :func:`averages_its_own_loss`):
+    a ``forward(**kwargs)``, no ``accepts_loss_kwargs`` and no use of ``num_items_in_batch`` in its source."""
+    import inspect
+
+    model = getattr(model, "module", model)  # DDP's wrapper
+    if getattr(model, "accepts_loss_kwargs", None) is not None:
+        return False
+    try:
+        forward = inspect.unwrap(type(model).forward)
+        takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in inspect.signature(forward).parameters.values())
+        source = inspect.getsource(forward)
+    except (TypeError, OSError, ValueError):
+        return False
+    return takes_kwargs and "num_items_in_batch" not in source and "loss_function" not in source
+
+
 def accumulation_steps(cfg: OrchConfig, world_size: int) -> Optional[int]:
     """Micro-batches per optimizer step that keep ``trainer.global_batch_size`` at ``world_size`` ranks of
     ``trainer.micro_batch_size``; None when it does not divide (HF's default of 1 then)."""
@@ -150,6 +182,19 @@ def accumulation_steps(cfg: OrchConfig, world_size: int) -> Optional[int]:
     if t.global_batch_size and t.global_batch_size % (t.micro_batch_size * world_size) == 0:
         return t.global_batch_size // (t.micro_batch_size * world_size)
     return None
+
+
+PROGRESS_BARS_ENV = "HF_HUB_DISABLE_PROGRESS_BARS"
+"""Set (to 0 to keep them, 1 to hide them) and the Hugging Face progress bars are left as it says under orch."""
+
+
+def quiet_progress_bars() -> None:
+    """No tqdm bars from transformers or huggingface_hub in this process ("Writing model shards" at every save):
+    under orch each worker's output is a log, where a bar is a line per refresh. OrchCallback calls it under orch
+    unless :data:`PROGRESS_BARS_ENV` is set."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 # -- the callback ------------------------------------------------------------------------------------------------
@@ -181,6 +226,8 @@ class OrchCallback(TrainerCallback):
                  exit_on_preemption: bool = True):
         self.run_dir = run_dir if run_dir is not None else orch_run_dir()
         self.cfg = cfg if cfg is not None else run_config(self.run_dir)
+        if self.run_dir is not None and PROGRESS_BARS_ENV not in os.environ:
+            quiet_progress_bars()
         self.ctx = DistContext.from_env()
         self.events = WorkerEvents(self.run_dir, self.ctx)  # most events: rank 0's only
         self.startup = StartupTimes()
@@ -209,6 +256,13 @@ class OrchCallback(TrainerCallback):
         resumed checkpoint and ``worker_started`` (start-up milestones, latest over ranks)."""
         self.ctx = self.events.ctx = DistContext.from_env()
         self.progress.step = state.global_step
+        model = kwargs.get("model")
+        scale = args.gradient_accumulation_steps * self.ctx.world_size
+        if self.ctx.is_main and scale > 1 and isinstance(model, torch.nn.Module) and _loss_scaled_by_trainer(model):
+            print(f"[orch] warning: {type(getattr(model, 'module', model)).__name__} averages its own loss, so "
+                  f"transformers.Trainer scales its loss and gradients by {scale} (world size x accumulation). Fix: "
+                  "build the Trainer with orchestrator.integrations.hf.averages_its_own_loss(model)",
+                  file=sys.stderr, flush=True)
         preemption_cfg = self.cfg.preemption if self.cfg is not None else PreemptionConfig()
         if self.preemption is None:
             self.preemption = _HFPreemption(preemption_cfg, self.ctx, self.run_dir, args.device, self.progress,
