@@ -96,8 +96,8 @@ def test_a_stopped_workers_heartbeat_goes_silent_and_its_stack_names_where_it_wa
 def test_bench_hang_detects_a_stopped_worker_recovers_and_raises_no_false_alarm(tmp_path):
     from orchestrator.bench.hang import run_hang_bench
 
-    r = run_hang_bench(quiet_s=20, workdir=str(tmp_path))
+    r = run_hang_bench(quiet_s=10, workdir=str(tmp_path), max_steps=80)
     assert r["detected"] and r["hang_rank"] is not None and "File" in r["hang_stack_head"], r
-    assert r["status"] == "succeeded" and r["steps_completed"] == 200
+    assert r["status"] == "succeeded" and r["steps_completed"] == 80
     assert r["recovery_s"] < 60, r  # vs backend.timeout_s (1800 s); the bench's own target here is 15 s
     assert r["false_alarms"] == 0, r

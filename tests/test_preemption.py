@@ -92,8 +92,9 @@ def test_sigterm_notice_to_an_agent_checkpoints_and_resumes_bit_identical(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["aws", "gcp"])
-def test_cloud_metadata_notice_triggers_the_same_path(tmp_path, kind):
+def test_cloud_metadata_notice_triggers_the_same_path(tmp_path, kind="aws"):
+    """A cloud's notice (AWS's IMDSv2 here) leads to the same drain as a SIGTERM. One provider end to end: each
+    provider's poller reads its own fake metadata server above, and every source hands over the same notice."""
     with FakeMetadata(kind) as fake:
         args = [*JOB, f"preemption.sources=[sigterm,{kind}]", f"preemption.{kind}_endpoint='{fake.url}'",
                 "preemption.poll_interval_s=0.5"]

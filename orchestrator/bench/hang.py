@@ -53,8 +53,8 @@ def _steps(run_dir: Path) -> list[dict]:
     return read_jsonl(run_dir / METRICS_FILE)
 
 
-def stopped_worker_drill(run_dir: Path, stop_at_step: int = 20, timeout_s: float = 300.0) -> dict:
-    proc = _launch(run_dir, ["trainer.max_steps=200"])
+def stopped_worker_drill(run_dir: Path, stop_at_step: int = 20, timeout_s: float = 300.0, max_steps: int = 200) -> dict:
+    proc = _launch(run_dir, [f"trainer.max_steps={max_steps}"])
     try:
         _wait(lambda: any(m["step"] >= stop_at_step and m["world_size"] == 2 for m in _steps(run_dir)), 240,
               f"step {stop_at_step} at world size 2", proc)
@@ -100,11 +100,11 @@ def false_alarm_drill(run_dir: Path, quiet_s: float) -> dict:
             "quiet_s": quiet_s, "steps": max((m["step"] for m in _steps(run_dir)), default=0)}
 
 
-def run_hang_bench(quiet_s: float = 300.0, workdir: Optional[str] = None) -> dict:
+def run_hang_bench(quiet_s: float = 300.0, workdir: Optional[str] = None, max_steps: int = 200) -> dict:
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="orch-bench-hang-") as tmp:
         base = Path(workdir or tmp)
-        drill = stopped_worker_drill(base / "stopped")
+        drill = stopped_worker_drill(base / "stopped", max_steps=max_steps)
         quiet = false_alarm_drill(base / "quiet", quiet_s)
     return {"detected": drill["detected"], "recovery_s": drill["recovery_s"], "false_alarms": quiet["false_alarms"],
             "detected_after_s": drill["detected_after_s"], "status": drill["status"],
