@@ -30,7 +30,7 @@ class Notice:
 
 @dataclass(frozen=True)
 class FirstStep:
-    """The first step of an attempt (or of a new quorum, per_step): what a recovery ends on."""
+    """The first step of an attempt (or of a fault-tolerance mode's new quorum): what a recovery ends on."""
 
     t: float
     step: Optional[int]
