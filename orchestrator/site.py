@@ -11,14 +11,12 @@ wiring (:mod:`launchers.runner`) drives every site the same way: :meth:`Site.con
 
 from __future__ import annotations
 
-import importlib
-from importlib.metadata import entry_points
 from typing import Any, Callable, Optional, Protocol, TextIO
 
 from orchestrator.config.schema import OrchConfig
 from orchestrator.controller.api import NodePool, RunHooks
-from orchestrator.errors import ConfigError
 from orchestrator.plan.hosts import HostRecord
+from orchestrator.plugins import load_named
 from orchestrator.rundir import EventLog
 
 SITES = {"local": "launchers.local:make_site", "ray": "launchers.ray:make_site"}
@@ -63,15 +61,7 @@ SiteFactory = Callable[[OrchConfig, str, Optional[TextIO]], Site]
 
 def site_factory(name: str) -> SiteFactory:
     """The factory of ``launcher=name``'s sites: orch's own (:data:`SITES`) or an installed plug-in's."""
-    target = SITES.get(name)
-    if target is None:
-        found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
-        if not found:
-            known = sorted({*SITES, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))})
-            raise ConfigError("launcher", name, f"use one of {', '.join(known)}", "is not a launcher")
-        return found[0].load()
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    return load_named("launcher", name, SITES, ENTRY_POINT_GROUP, "launcher")
 
 
 def make_site(cfg: OrchConfig, run_id: str, echo: Optional[TextIO] = None) -> Site:

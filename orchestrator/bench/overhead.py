@@ -51,12 +51,9 @@ def run_plain(cfg, steps: int, log_every: int, workdir: Path) -> dict[str, float
     out = workdir / "plain.json"
     model = {k: v for k, v in cfg.model.items() if k != "_target_"}
     data = {k: v for k, v in cfg.data.dataset.items() if k != "_target_"}
-    from orchestrator.trainer.trainer import DDP_PARAMS
+    from orchestrator.parallel.ddp import ddp_kwargs
 
-    buffers_flag = "forward_sync_buffers" if "forward_sync_buffers" in DDP_PARAMS else "broadcast_buffers"
-    ddp = {"static_graph": cfg.ddp.static_graph, "find_unused_parameters": cfg.ddp.find_unused_parameters,
-           "gradient_as_bucket_view": cfg.ddp.gradient_as_bucket_view, "bucket_cap_mb": cfg.ddp.bucket_cap_mb,
-           buffers_flag: cfg.ddp.broadcast_buffers}  # the trainer's DDP flags (trainer._wrap)
+    ddp = ddp_kwargs(cfg.ddp)  # the trainer's DDP flags (its ddp strategy's)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(PLAIN_SCRIPT),
             f"--steps={steps}", f"--global-batch={cfg.trainer.global_batch_size}",
             f"--micro-batch={cfg.trainer.micro_batch_size}", f"--log-every={log_every}", f"--lr={cfg.optim['lr']}",

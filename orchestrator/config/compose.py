@@ -28,9 +28,11 @@ from orchestrator.errors import ConfigError, UserError
 
 SCHEMA_NAME = "orch_schema"
 # Presets list ``orch_schema`` first; it brings the typed schema plus the defaults of groups that every preset
-# has without naming them (``logger: none``), so ``logger=...`` overrides work on any preset, user ones too.
+# has without naming them (``logger: none``, ``parallelism: ddp``), so ``logger=...`` and ``parallelism=...``
+# overrides work on any preset, user ones too (a preset picks another with ``- override parallelism: fsdp2``).
 ConfigStore.instance().store(name="_orch_schema_typed", node=OrchConfig)
-ConfigStore.instance().store(name=SCHEMA_NAME, node={"defaults": ["_orch_schema_typed", {"logger": "none"}, "_self_"]})
+ConfigStore.instance().store(name=SCHEMA_NAME, node={"defaults": ["_orch_schema_typed", {"logger": "none"},
+                                                              {"parallelism": "ddp"}, "_self_"]})
 
 
 CONF_PATH_ENV = "ORCH_CONF_PATH"  # extra preset directories, searched after orch's own (os.pathsep-separated)

@@ -88,6 +88,47 @@ class AMPConfig:
         _one_of("amp.dtype", self.dtype, AMP_DTYPES)
 
 
+PARALLELISMS = ("ddp", "fsdp2", "hsdp")
+SHARDED_STRATEGIES = ("fsdp2", "hsdp")
+PARALLELISM_ENTRY_POINTS = "orch.parallelism"  # strategies of one's own: name -> factory (orchestrator/parallel/)
+
+
+@dataclass
+class ParallelismConfig:
+    """How the model is spread over the ranks (orchestrator/parallel/, docs/sharded.md): every rank holds the
+    whole model (``ddp``), or each holds a shard of parameters, gradients and optimizer state (``fsdp2``:
+    ``fully_shard`` over all ranks; ``hsdp``: sharded within a node, replicated across nodes)."""
+
+    strategy: str = "ddp"
+    """``ddp`` (the ``ddp`` group's flags apply), ``fsdp2``, ``hsdp``, or the name of an installed
+    ``orch.parallelism`` entry point."""
+    reshard_after_forward: bool = True
+    """fsdp2/hsdp: free each unit's gathered parameters after its forward and gather them again for the backward
+    (less memory, one more all-gather per unit); ``false`` keeps them until the backward."""
+    shard_modules: list = field(default_factory=list)
+    """fsdp2/hsdp: class names of the modules that are each one unit of sharding (their parameters are gathered
+    together, one unit at a time); empty: each transformer block of the built-in models."""
+    activation_checkpointing: bool = False
+    """fsdp2/hsdp: recompute each unit's activations in the backward instead of keeping them (less memory,
+    about one more forward of compute)."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in PARALLELISMS:
+            from importlib.metadata import entry_points
+
+            plugins = tuple(ep.name for ep in entry_points(group=PARALLELISM_ENTRY_POINTS))
+            _one_of("parallelism.strategy", self.strategy, PARALLELISMS + plugins)
+        self.shard_modules = [str(name) for name in self.shard_modules]
+        for name in self.shard_modules:
+            _require("parallelism.shard_modules", name, name.isidentifier(),
+                     "give module class names, e.g. parallelism.shard_modules=[TransformerEncoderLayer]")
+
+    @property
+    def sharded(self) -> bool:
+        """Whether each rank holds only a shard of the model's state (fsdp2, hsdp)."""
+        return self.strategy in SHARDED_STRATEGIES
+
+
 @dataclass
 class CheckpointConfig:
     """Checkpoints through fsspec: any URL fsspec understands (path, file://, s3://, gs://, memory://)."""
@@ -694,6 +735,8 @@ class OrchConfig:
     backend: BackendConfig = field(default_factory=BackendConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
     amp: AMPConfig = field(default_factory=AMPConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    """How the model is spread over the ranks (the ``parallelism`` group: ddp, fsdp2, hsdp)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)

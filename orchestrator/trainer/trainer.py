@@ -1,8 +1,10 @@
-"""The built-in training loop: DDP, AMP, gradient accumulation, LR schedule, on an elastic session.
+"""The built-in training loop: a parallelism strategy (DDP, FSDP2, HSDP), AMP, gradient accumulation, LR
+schedule, on an elastic session.
 
 The session (orchestrator/elastic/) does the work at every step boundary, as it does for a user's script:
 metrics, the preemption agreement, periodic/emergency/final checkpoints, the restore at start. The trainer
-brings the model, optimizer, schedule and data from the run's config, and the step itself.
+brings the model, optimizer, schedule and data from the run's config, and the step itself; how the model is
+spread over the ranks is the strategy's (orchestrator/parallel/), which the trainer never asks about.
 """
 
 from __future__ import annotations
@@ -10,23 +12,20 @@ from __future__ import annotations
 import time
 
 import contextlib
-import inspect
 import random
 from pathlib import Path
 from typing import Any
 
 import torch
 from hydra.utils import instantiate
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from orchestrator.config.schema import OrchConfig
 from orchestrator.elastic import GlobalBatchSampler, Session
+from orchestrator.parallel import strategy_for
 from orchestrator.rundir import SAMPLES_DIR, append_jsonl
 from orchestrator.runtime.precision import MixedPrecision
 
-
-DDP_PARAMS = inspect.signature(DDP.__init__).parameters
 
 # Settings that change the math but not the shapes: a mismatch on resume warns (the shapes check refuses).
 FINGERPRINT_KEYS = ("model", "optim", "scheduler", "data.dataset", "trainer.global_batch_size", "trainer.seed",
@@ -61,37 +60,20 @@ class Trainer:
         cfg = self.cfg
         self.device = session.device
         self.timer = session.timer  # the time breakdown of every step (runtime/timing.py)
-        seed_everything(cfg.trainer.seed)  # identical init on every rank, before DDP's broadcast makes sure
-        self.raw_model = instantiate(cfg.model, _convert_="all").to(self.device)
-        self.model = self._wrap(self.raw_model)
-        self.optimizer = instantiate(cfg.optim, params=self.raw_model.parameters(), _convert_="all")
+        seed_everything(cfg.trainer.seed)  # identical init on every rank (the strategy's broadcast makes sure)
+        self.strategy = strategy_for(cfg)
+        self.model = self.strategy.wrap(instantiate(cfg.model, _convert_="all").to(self.device), self.ctx,
+                                        self.device, timer=self.timer)
+        self.raw_model = self.strategy.unwrap(self.model)  # what checkpoints hold
+        # After wrapping: a sharded strategy's parameters are DTensors, and the optimizer must hold those.
+        self.optimizer = instantiate(cfg.optim, params=self.model.parameters(), _convert_="all")
         self.scheduler = instantiate(cfg.scheduler, optimizer=self.optimizer, _convert_="all")
-        self.precision = MixedPrecision(cfg.amp.enabled, cfg.amp.dtype, self.device)
+        scaler = self.strategy.grad_scaler(cfg.amp.enabled and cfg.amp.dtype == "fp16", self.device)
+        self.precision = MixedPrecision(cfg.amp.enabled, cfg.amp.dtype, self.device, scaler=scaler)
         self.dataset = instantiate(cfg.data.dataset, _convert_="all")
         session.fingerprint(math_settings(cfg))
         session.register(model=self.raw_model, optim=self.optimizer, scheduler=self.scheduler,
                          scaler=self.precision.scaler)
-
-    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """DDP around the model, then ``torch.compile`` around DDP (``trainer.compile``), as torch documents for
-        DDP: compiling the DDP module lets its DDPOptimizer split the graph at bucket boundaries, so gradient
-        all-reduces overlap the backward pass; compiling inside DDP would make the whole backward one graph."""
-        d = self.cfg.ddp
-        # Newer torch renamed broadcast_buffers (per-forward buffer sync) to forward_sync_buffers.
-        buffers_flag = "forward_sync_buffers" if "forward_sync_buffers" in DDP_PARAMS else "broadcast_buffers"
-        ddp = DDP(
-            model,
-            device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            static_graph=d.static_graph,
-            find_unused_parameters=d.find_unused_parameters,
-            gradient_as_bucket_view=d.gradient_as_bucket_view,
-            bucket_cap_mb=d.bucket_cap_mb,
-            **{buffers_flag: d.broadcast_buffers},
-        )
-        self.timer.register(ddp)
-        if self.cfg.trainer.compile:
-            return torch.compile(ddp, mode=self.cfg.trainer.compile_mode)
-        return ddp
 
     def _loader(self) -> tuple[GlobalBatchSampler, DataLoader]:
         t, d = self.cfg.trainer, self.cfg.data
@@ -123,7 +105,7 @@ class Trainer:
         return session.finish()
 
     def train_step(self, batches, accumulation_steps: int) -> tuple[torch.Tensor, list[int]]:
-        """One optimizer step over ``accumulation_steps`` micro-batches; DDP all-reduces only on the last."""
+        """One optimizer step over ``accumulation_steps`` micro-batches; gradients sync only on the last."""
         total = torch.zeros((), device=self.device)
         sample_ids: list[int] = []
         for micro in range(accumulation_steps):
@@ -131,7 +113,7 @@ class Trainer:
             sample_ids += batch["sample_id"].tolist()
             self.timer.lap("data")
             sync = micro == accumulation_steps - 1
-            with (contextlib.nullcontext() if sync else self.model.no_sync()), self.precision.autocast():
+            with (contextlib.nullcontext() if sync else self.strategy.no_sync(self.model)), self.precision.autocast():
                 loss = self.model(batch["input_ids"].to(self.device, non_blocking=True),
                                   batch["labels"].to(self.device, non_blocking=True)) / accumulation_steps
             self.precision.scaler.scale(loss).backward()
@@ -140,7 +122,7 @@ class Trainer:
         scaler = self.precision.scaler
         if self.cfg.trainer.grad_clip_norm is not None:
             scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.cfg.trainer.grad_clip_norm)
+            self.strategy.clip_grad_norm_(self.model, self.cfg.trainer.grad_clip_norm)
         scaler.step(self.optimizer)
         scaler.update()
         self.scheduler.step()

@@ -1,0 +1,62 @@
+"""What a parallelism strategy is: the one seam between a training loop and how its model is spread over the
+ranks (torchtitan's ``parallelize`` step). The trainer and ``session.wrap`` call these methods and never ask
+which strategy they hold.
+
+The order a loop follows: ``wrap`` the built model, then build the optimizer over the *wrapped* module's
+parameters (a sharded strategy turns them into DTensors), take the grad scaler from ``grad_scaler``, run
+accumulation micro-steps inside ``no_sync``, clip with ``clip_grad_norm_``, and register ``unwrap(model)``
+for checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager, Optional
+
+import torch
+from torch import nn
+
+from orchestrator.config.schema import OrchConfig
+from orchestrator.runtime.distributed import DistContext
+from orchestrator.runtime.state import unwrap
+
+
+class Strategy:
+    """One way to spread a model over the process group. ``cfg``: the run's config (``None``: the schema's
+    defaults, e.g. a script outside orch). Subclasses set ``name`` and ``sharded`` and override what differs;
+    the defaults here are those of a module every rank holds whole."""
+
+    name: str = "none"
+    sharded: bool = False
+    """Whether each rank holds only a shard of parameters, gradients and optimizer state (its checkpoints then
+    need a sharded engine: ``checkpoint.engine=dcp``)."""
+
+    def __init__(self, cfg: Optional[OrchConfig] = None):
+        self.cfg = cfg
+
+    def wrap(self, model: nn.Module, ctx: DistContext, device: torch.device, *, timer: Any = None) -> nn.Module:
+        """The module to call forward on (``model`` is on ``device``, identical on every rank or made so here).
+        ``timer``: a StepTimer whose communication hooks the strategy may install. Every rank calls it."""
+        return model
+
+    def no_sync(self, model: nn.Module) -> ContextManager:
+        """A context for gradient-accumulation micro-steps: gradients accumulate locally, unsynchronized, until
+        the last micro-step's backward (outside it) synchronizes their sum."""
+        return contextlib.nullcontext()
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip the gradients of ``model``'s parameters to a global norm of ``max_norm``; returns the norm
+        before clipping (the same on every rank)."""
+        return torch.nn.utils.clip_grad_norm_(self.unwrap(model).parameters(), max_norm)
+
+    def grad_scaler(self, enabled: bool, device: torch.device) -> torch.amp.GradScaler:
+        """The grad scaler of an fp16 run (``enabled``); a disabled one (a pass-through) otherwise."""
+        return torch.amp.GradScaler(device.type, enabled=enabled)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The module whose state dict is the model's (no wrapper prefixes): what checkpoints register."""
+        return unwrap(model)
+
+    def describe(self) -> dict[str, Any]:
+        """What the run's events and ``--dry-run`` say about the strategy."""
+        return {"strategy": self.name, "sharded": self.sharded}
