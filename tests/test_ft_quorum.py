@@ -140,6 +140,40 @@ def test_a_group_commits_only_when_every_rank_says_so_and_a_left_group_is_refuse
         svc.close()
 
 
+def test_a_redone_step_is_decided_by_the_votes_of_its_own_attempt():
+    """A discarded step is voted on again under its step number: a fast rank must wait for its peers' new votes
+    instead of reading the first attempt's decision (else the group's ranks would part ways)."""
+    svc = service()
+    try:
+        register(svc, "g:1", world=2)
+        vote = lambda rank, ok: svc.call({"op": "should_commit", "replica_id": "g:1", "group_rank": rank,  # noqa: E731
+                                          "step": 7, "should_commit": ok, "timeout_s": 5})
+        with ThreadPoolExecutor(2) as pool:
+            a, b = pool.submit(vote, 0, False), pool.submit(vote, 1, True)
+            assert a.result() == b.result() == {"should_commit": False}
+            first = pool.submit(vote, 0, True)  # the redo: rank 0 votes first and waits for rank 1's new vote
+            time.sleep(0.2)
+            assert not first.done()
+            assert vote(1, True) == first.result() == {"should_commit": True}
+    finally:
+        svc.close()
+
+
+def test_a_group_of_another_size_than_the_live_ones_is_refused_in_one_line():
+    """Rank i of every group all-reduces with and heals from rank i of the others: sizes must match."""
+    clock = Clock()
+    svc = service(clock=clock)
+    try:
+        register(svc, "a:1", world=2)
+        refused = svc.call({"op": "register", "replica_id": "b:1", "world_size": 1})["error"]
+        assert "b:1 has 1 rank(s), a:1 has 2" in refused and "cluster.nproc_per_node" in refused
+        register(svc, "c:1", world=2)
+        clock.t += 5  # a:1 and c:1 stopped beating: a group of any size may start over
+        register(svc, "b:1", world=1)
+    finally:
+        svc.close()
+
+
 def test_torchfts_manager_through_orchs_client_and_a_real_gate():
     """torchft's own Manager code path, its server and client replaced by orch's: registration, a quorum, the
     checkpoint address of a heal source, and a commit, over the run's gate; a wrong secret gets nothing."""

@@ -63,8 +63,9 @@ class Group:
     world_size: int
     pending: dict[int, dict[str, Any]] = field(default_factory=dict)  # group rank -> its quorum request
     metadata: dict[int, str] = field(default_factory=dict)  # group rank -> its checkpoint server's address
-    votes: dict[int, dict[int, bool]] = field(default_factory=dict)  # step -> group rank -> should_commit
-    decisions: dict[int, bool] = field(default_factory=dict)  # step -> the group's commit decision
+    votes: dict[tuple[int, int], dict[int, bool]] = field(default_factory=dict)  # (step, attempt) -> rank -> vote
+    decisions: dict[tuple[int, int], bool] = field(default_factory=dict)  # (step, attempt) -> the group's decision
+    rounds: dict[tuple[int, int], int] = field(default_factory=dict)  # (rank, step) -> its decided votes on it
 
 
 @dataclass
@@ -201,7 +202,15 @@ class QuorumService:
             with self._lock:
                 if rid in self._dropped:
                     return {"error": f"replica {rid} left the quorum"}
-                self._groups[rid] = Group(rid, int(request["world_size"]))
+                size = int(request["world_size"])
+                now = self.clock()
+                other = next((g for g in self._groups.values() if g.world_size != size and g.replica_id != rid
+                              and now - self._heartbeats.get(g.replica_id, -1e18) < self.heartbeat_timeout_s), None)
+                if other is not None:  # rank i all-reduces with, and heals from, rank i of every other group
+                    return {"error": f"replica group {rid} has {size} rank(s), {other.replica_id} has "
+                                     f"{other.world_size}: per_step pairs rank i of every group (gradients, "
+                                     "healing shard by shard), so every node runs the same cluster.nproc_per_node"}
+                self._groups[rid] = Group(rid, size)
                 self._heartbeats[rid] = self.clock()
             return {}
         if op == "leave":
@@ -244,27 +253,34 @@ class QuorumService:
             return self._results.pop((rid, rank))[1]
 
     def _should_commit(self, rid: str, request: dict[str, Any]) -> dict[str, Any]:
+        """The group's decision on a step: every rank's vote of this attempt at it. A discarded step is voted on
+        again under the same step number, so each rank's n-th vote on a step counts in the n-th decision on it
+        (never the decision of an earlier attempt, which a fast rank would otherwise read before its peers vote)."""
         rank, step = int(request["group_rank"]), int(request["step"])
         deadline = time.monotonic() + float(request["timeout_s"])
         with self._lock:
             group = self._groups.get(rid)
             if group is None:
                 return {"error": f"replica {rid} is not registered (or left the quorum)"}
-            votes = group.votes.setdefault(step, {})
+            key = (step, group.rounds.get((rank, step), 0))
+            votes = group.votes.setdefault(key, {})
             votes[rank] = bool(request["should_commit"])
             if len(votes) == group.world_size:
-                group.decisions[step] = all(votes.values())
-                group.votes.pop(step)
-                for old in [s for s in group.decisions if s < step - 4]:
+                group.decisions[key] = all(votes.values())
+                group.votes.pop(key)
+                for old in [k for k in group.decisions if k[0] < step - 4]:
                     group.decisions.pop(old)
+                for old in [k for k in group.rounds if k[1] < step - 4]:
+                    group.rounds.pop(old)
                 self._lock.notify_all()
-            while step not in group.decisions:
+            while key not in group.decisions:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed or rid not in self._groups:
                     votes.pop(rank, None)
                     return {"error": "should_commit timed out"}
                 self._lock.wait(min(left, self.tick_s))
-            return {"should_commit": group.decisions[step]}
+            group.rounds[(rank, step)] = key[1] + 1
+            return {"should_commit": group.decisions[key]}
 
     # -- the gate's side ---------------------------------------------------------------------------------
     def handler(self, sock: socket.socket, peer: str) -> None:
