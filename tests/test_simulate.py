@@ -118,6 +118,8 @@ def test_llama3_scale_in_seconds_with_every_badput_category(tmp_path, capsys):
     assert 400 < data["interruptions"] < 540 and data["seeds"] == 20 and data["lost_steps"] > 0
     assert data["wall_s"] == 54 * 86400 and data["effective_training_time"] > data["goodput"]
     assert "goodput" in done.stdout and "effective training time" in done.stdout
+    helped = orch_here(capsys, "simulate", "--help").stdout  # argparse %-formats help, not the description
+    assert "95% intervals over seeds" in helped and "%%" not in helped
 
 
 @pytest.mark.timeout(60)

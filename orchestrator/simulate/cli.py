@@ -13,7 +13,7 @@ def add_simulate_parsers(sub: Any) -> None:
     """Register ``simulate`` and ``advise`` on the ``orch`` subcommand parser."""
     p = sub.add_parser("simulate", help="goodput of one training job under failures and preemptions (simulated)",
                        description="A job-level discrete-event simulation: goodput, badput by cause, lost steps "
-                                   "and effective training time, with 95%% intervals over seeds. See docs/simulate.md.")
+                                   "and effective training time, with 95% intervals over seeds. See docs/simulate.md.")
     g = p.add_argument_group("the job")
     g.add_argument("--nodes", type=int, help="nodes in the job (default 1, or the calibration run's)")
     g.add_argument("--days", type=float, help="wall-clock days to simulate (default 1)")
