@@ -36,6 +36,7 @@ from orchestrator.events import (CheckpointFailed, CheckpointRetentionFailed, Ch
 
 from .errors import CheckpointError, CheckpointFenced, CheckpointSetupError
 from .manifest import (
+    DCP_FORMAT,
     MANIFEST_NAME,
     PAYLOAD_FORMATS,
     FileEntry,
@@ -80,13 +81,17 @@ class CheckpointInfo:
 
 @dataclass
 class LoadedCheckpoint:
-    """A loaded checkpoint: ``state`` maps payload name (``"model"``, ``"optim"``, ...) to its CPU object."""
+    """A loaded checkpoint: ``state`` maps payload name (``"model"``, ``"optim"``, ...) to its CPU object.
+    ``format`` is its manifest's; a ``dcp`` checkpoint's DCP files (``files``: the manifest's entries) are
+    verified, not read: the DCP engine loads them into its sharded state."""
 
     step: int
     state: dict[str, Any]
     metadata: dict[str, Any]
     run_id: str | None = None
     lineage: tuple[str, ...] = ()
+    format: str = "torch"
+    files: dict[str, FileEntry] = field(default_factory=dict)
 
 
 _WRITE_FIX = "check that the URL is reachable and writable from this process (free space, permissions, credentials)"
@@ -246,23 +251,86 @@ class CheckpointManager:
             else:
                 manifest = self._write_in_place(storage, step, stepdir, cpu_state, metadata)
         except Exception as e:  # noqa: BLE001 - any failure must reach the caller, never vanish
-            error = f"refused, nothing committed: {e}" if isinstance(e, _Fenced) else f"{type(e).__name__}: {e}"
-            self._emit(CheckpointFailed(step=step, error=error, async_=is_async, url=self.url))
-            if isinstance(e, _NoSpace):
-                raise CheckpointError(f"checkpoint save of step {step} to {self.url} refused: {e}") from e
-            if isinstance(e, _Fenced):
-                raise CheckpointFenced(
-                    f"checkpoint save of step {step} to {self.url} refused, nothing committed: {e}. Fix: another "
-                    "launch holds this checkpoint URL now; give each run its own checkpoint.url") from e
-            raise CheckpointError(
-                f"checkpoint save of step {step} to {self.url} failed: {type(e).__name__}: {e}. Fix: {_WRITE_FIX}"
-            ) from e
+            raise self._failed(step, e, is_async) from e
         write_s = time.perf_counter() - t0
         if stall_s is None:
             stall_s = time.perf_counter() - (t_call if t_call is not None else t0)
         self._emit(CheckpointSaved(step=step, stall_s=stall_s, write_s=write_s, bytes=manifest.total_bytes,
                                    async_=is_async, url=storage.url_for(stepdir)))
         self._prune()
+
+    def _failed(self, step: int, e: Exception, is_async: bool) -> CheckpointError:
+        """Emit ``checkpoint_failed`` for the save of ``step`` that ``e`` ended; the error to raise."""
+        error = f"refused, nothing committed: {e}" if isinstance(e, _Fenced) else f"{type(e).__name__}: {e}"
+        self._emit(CheckpointFailed(step=step, error=error, async_=is_async, url=self.url))
+        if isinstance(e, _NoSpace):
+            return CheckpointError(f"checkpoint save of step {step} to {self.url} refused: {e}")
+        if isinstance(e, _Fenced):
+            return CheckpointFenced(
+                f"checkpoint save of step {step} to {self.url} refused, nothing committed: {e}. Fix: another "
+                "launch holds this checkpoint URL now; give each run its own checkpoint.url")
+        return CheckpointError(
+            f"checkpoint save of step {step} to {self.url} failed: {type(e).__name__}: {e}. Fix: {_WRITE_FIX}")
+
+    # -- files written by an engine (orchestrator/checkpoint/dcp_engine.py) -------------------------
+    def open_step(self, step: int) -> str | None:
+        """The directory (relative to the URL) an engine writes the files of ``step`` into before
+        :meth:`commit_step`: a temporary one where the filesystem renames, else the step's own. Fence and free
+        space are checked first (CheckpointError/CheckpointFenced with ``checkpoint_failed``, as :meth:`save`).
+        None on an object store that already holds ``step``: files of fixed names cannot be replaced in place."""
+        self.wait()
+        try:
+            storage = self.storage
+            self._check_fence()
+            self._check_free_space(storage)
+            if storage.has_rename:
+                storage.restore_orphans()
+                dirname = tmp_dirname(step)
+            else:
+                dirname = step_dirname(step)
+                if storage.list_files(dirname):
+                    return None
+            storage.makedirs(dirname)
+        except Exception as e:  # noqa: BLE001
+            raise self._failed(step, e, is_async=False) from e
+        return dirname
+
+    def write_payloads(self, dirname: str, state: dict[str, Any]) -> dict[str, FileEntry]:
+        """Each payload of ``state`` as safetensors + JSON files in ``dirname`` (no pickle); their entries."""
+        _check_payload_names(state)
+        entries: dict[str, FileEntry] = {}
+        for name, obj in state.items():
+            for ext, data in _safetensors_files(obj):
+                fname = f"{name}.{ext}"
+                entries[fname] = FileEntry(size=len(data), sha256=sha256_hex(data))
+                self._write_payload(self.storage, f"{dirname}/{fname}", data)
+        return entries
+
+    def commit_step(self, step: int, dirname: str, files: dict[str, FileEntry], metadata: dict, *,
+                    stall_s: float, write_s: float, is_async: bool) -> Manifest:
+        """Commit the files an engine wrote in ``dirname`` (from :meth:`open_step`) as ``step``: the manifest
+        listing ``files`` written last (format ``dcp``), the rename where there is one, ``checkpoint_saved``,
+        retention. A failure removes the files and raises as :meth:`save` does."""
+        storage = self.storage
+        try:
+            manifest = build_manifest(step, files, metadata, format=DCP_FORMAT, run_id=self.run_id,
+                                      lineage=self.lineage, resumed_from=self.resumed_from)
+            self._check_fence()
+            storage.write_bytes_atomic(f"{dirname}/{MANIFEST_NAME}", encode_manifest(manifest))
+            if storage.has_rename:
+                storage.commit_dir(dirname, step_dirname(step))
+        except Exception as e:  # noqa: BLE001
+            _quietly(storage.remove, dirname)
+            raise self._failed(step, e, is_async) from e
+        self._emit(CheckpointSaved(step=step, stall_s=stall_s, write_s=write_s, bytes=manifest.total_bytes,
+                                   async_=is_async, url=storage.url_for(step_dirname(step))))
+        self._prune()
+        return manifest
+
+    def abort_step(self, step: int, dirname: str, error: str, is_async: bool) -> CheckpointError:
+        """Remove what an engine wrote for ``step`` after ``error`` (a rank's); the error to raise."""
+        _quietly(self.storage.remove, dirname)
+        return self._failed(step, RuntimeError(error), is_async)
 
     def _write_files(self, storage: CheckpointStorage, step: int, dirname: str, cpu_state: dict,
                      metadata: dict, tag: str = "") -> Manifest:
@@ -292,12 +360,7 @@ class CheckpointManager:
     def _serialize(self, obj: Any) -> list[tuple[str, Any]]:
         """(extension, bytes) of the files that hold one payload in this manager's format."""
         if self.format == "safetensors":
-            from safetensors.torch import save as st_save
-
-            from .wire import split
-
-            skeleton, tensors = split(obj)
-            return [("safetensors", st_save(tensors)), ("json", json.dumps(skeleton, separators=(",", ":")).encode())]
+            return _safetensors_files(obj)
         buf = io.BytesIO()
         torch.save(obj, buf)
         return [("pt", buf.getbuffer())]
@@ -528,6 +591,9 @@ class CheckpointManager:
             reason = check_checksum(manifest, fname, data)
             if reason:
                 raise _Unreadable(reason)
+            if manifest.format == DCP_FORMAT and _is_dcp_file(fname):
+                _check_dcp_file(fname, data)  # verified, not kept: every rank reads its own shards
+                continue
             blobs[fname] = data
         state = {}
         files_of: dict[str, dict[str, bytes]] = {}
@@ -538,12 +604,13 @@ class CheckpointManager:
             files_of.setdefault(match["name"], {})[match["ext"]] = data
         for name, files in files_of.items():
             try:
-                state[name] = _deserialize(manifest.format, files)
+                state[name] = _deserialize("safetensors" if manifest.format == DCP_FORMAT else manifest.format, files)
             except Exception as e:  # noqa: BLE001 - UnpicklingError, RuntimeError: refuse, never run code
                 raise _Unreadable(f"payload {name!r} cannot be read back safely ({type(e).__name__}: "
                                   f"{str(e)[:200]})") from e
         return LoadedCheckpoint(step=manifest.step, state=state, metadata=dict(manifest.metadata),
-                                run_id=manifest.run_id, lineage=manifest.lineage)
+                                run_id=manifest.run_id, lineage=manifest.lineage, format=manifest.format,
+                                files=dict(manifest.files))
 
     # -- events -----------------------------------------------------------------------------------
     def _emit(self, event: Event) -> None:
@@ -564,6 +631,33 @@ def _deserialize(fmt: str, files: dict[str, bytes]) -> Any:
 
         return join(json.loads(files["json"]), st_load(files["safetensors"]))
     return torch.load(io.BytesIO(files["pt"]), weights_only=True, map_location="cpu")
+
+
+def _safetensors_files(obj: Any) -> list[tuple[str, Any]]:
+    """A payload's files without pickle: its tensors as safetensors, the rest as JSON (:func:`.wire.split`)."""
+    from safetensors.torch import save as st_save
+
+    from .wire import split
+
+    skeleton, tensors = split(obj)
+    return [("safetensors", st_save(tensors)), ("json", json.dumps(skeleton, separators=(",", ":")).encode())]
+
+
+def _is_dcp_file(fname: str) -> bool:
+    from .dcp_metadata import METADATA_NAME, SHARD_SUFFIX
+
+    return fname == METADATA_NAME or fname.endswith(SHARD_SUFFIX)
+
+
+def _check_dcp_file(fname: str, data: bytes) -> None:
+    """A DCP checkpoint's index must read back safely (its checksum is verified already); shards are DCP's."""
+    from .dcp_metadata import METADATA_NAME, UnsafeCheckpoint, parse_metadata
+
+    if fname == METADATA_NAME:
+        try:
+            parse_metadata(data)
+        except UnsafeCheckpoint as e:
+            raise _Unreadable(str(e)) from e
 
 
 def _quietly(remove: Callable[[str], None], relpath: str) -> None:

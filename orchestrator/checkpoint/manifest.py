@@ -2,7 +2,8 @@
 
 ``manifest.json`` is written LAST, after every payload file. It lists each file with its size and sha256,
 plus ``step``, ``format_version``, ``created_t`` and a caller-supplied JSON ``metadata`` dict, and (optional, so
-older manifests still parse) the payload ``format`` (``torch`` or ``safetensors``), the ``run_id`` that wrote it
+older manifests still parse) the payload ``format`` (``torch``, ``safetensors``, or ``dcp``: DCP shards plus
+safetensors + JSON payloads), the ``run_id`` that wrote it
 and its ``lineage``: the run ids it descends from, oldest first, ending with its own, and ``resumed_from``
 (``{"run_id", "step"}`` of the checkpoint its run resumed from, or null). Retention reads ``run_id``: a run
 deletes only the steps it wrote. A directory without a parseable manifest is not a checkpoint (a writer died
@@ -23,6 +24,8 @@ from typing import Any, Mapping
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
 PAYLOAD_FORMATS = ("torch", "safetensors")
+DCP_FORMAT = "dcp"  # model and optimizer as torch DCP shards (every rank's), the rest as safetensors + JSON
+MANIFEST_FORMATS = (*PAYLOAD_FORMATS, DCP_FORMAT)
 _LATEST_T = 4102444800.0  # 2100-01-01: a created_t beyond it is not a time this manifest was written at
 
 
@@ -117,7 +120,7 @@ def parse_manifest(data: bytes) -> Manifest:
         if not (math.isfinite(created_t) and 0 <= created_t <= _LATEST_T):
             raise ValueError(f"created_t {doc['created_t']!r} is not a time (unix seconds before 2100)")
         fmt = doc.get("format", "torch")
-        if fmt not in PAYLOAD_FORMATS:
+        if fmt not in MANIFEST_FORMATS:
             raise ValueError(f"unknown payload format {fmt!r}")
         lineage = doc.get("lineage") or []
         resumed = doc.get("resumed_from")

@@ -92,6 +92,7 @@ def split_preset(tokens: Sequence[str]) -> tuple[str, list[str]]:
 
 def compose_dictconfig(preset: str, overrides: Sequence[str] = ()) -> DictConfig:
     """Run Hydra's compose for ``preset`` with ``overrides``; raise ConfigError on anything Hydra rejects."""
+    overrides = [_spelled(o) for o in overrides]
     refuse_hydra_overrides(overrides)
     _check_override_keys(overrides)
     if preset not in list_presets():
@@ -111,6 +112,17 @@ def compose_dictconfig(preset: str, overrides: Sequence[str] = ()) -> DictConfig
         raise _under_null(overrides) or exc from None
     except ValueError as exc:  # Hydra's plain ValueError for a group override that is not a name (backend=5)
         raise _bad_group_value(overrides) or exc from None
+
+
+# Keys a Python field cannot be named: ``async`` is a keyword, so ``checkpoint.async`` is ``checkpoint.async_save``.
+KEY_ALIASES = {"checkpoint.async": "checkpoint.async_save"}
+
+
+def _spelled(override: str) -> str:
+    """``override`` with an aliased key (``checkpoint.async=true``) under the field's name."""
+    prefix = override[:len(override) - len(override.lstrip("+~"))]
+    key, eq, value = override[len(prefix):].partition("=")
+    return f"{prefix}{KEY_ALIASES.get(key, key)}{eq}{value}"
 
 
 def _check_override_keys(overrides: Sequence[str]) -> None:

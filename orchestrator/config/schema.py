@@ -29,6 +29,7 @@ LAUNCHERS = ("local", "ray")
 PLACEMENTS = ("auto", "spread", "pack")
 RESUME_MODES = ("auto", "never")
 CHECKPOINT_FORMATS = ("torch", "safetensors")
+CHECKPOINT_ENGINES = ("auto", "rank0", "dcp")
 MAX_NODES = 1024  # beyond any job orch is meant for; also keeps per-world-size checks finite
 
 
@@ -153,6 +154,11 @@ class CheckpointConfig:
     format: str = "torch"
     """Payload files: ``torch`` (``torch.save``, read with ``weights_only=True``) or ``safetensors`` (every
     tensor in safetensors files, the rest as JSON: read back with no unpickling at all). Loading reads either."""
+    engine: str = "auto"
+    """Who writes: ``rank0`` (rank 0 writes the whole state, one file per payload, in ``format``), ``dcp`` (every
+    rank writes its own shards of the model and optimizer through torch DCP, in parallel; the rest as safetensors +
+    JSON; resumes at any world size and strategy), or ``auto``: ``dcp`` when ``parallelism.strategy`` is sharded
+    (fsdp2, hsdp), else ``rank0``. See docs/checkpointing.md."""
 
     def __post_init__(self) -> None:
         if str(self.every_n_steps).isdigit():
@@ -166,11 +172,19 @@ class CheckpointConfig:
                  "use a positive weight")
         _require("checkpoint.keep_last", self.keep_last, self.keep_last >= 1, "keep at least 1 checkpoint")
         _one_of("checkpoint.format", self.format, CHECKPOINT_FORMATS)
+        _one_of("checkpoint.engine", self.engine, CHECKPOINT_ENGINES)
         self.resume = str(self.resume)
         _require(
             "checkpoint.resume", self.resume, self.resume in RESUME_MODES or self.resume.isdigit(),
             "use auto, never, or a step number",
         )
+
+
+def checkpoint_engine(checkpoint: CheckpointConfig, parallelism: Any = None) -> str:
+    """The engine ``checkpoint.engine`` resolves to: ``auto`` is ``dcp`` for a sharded strategy, else ``rank0``."""
+    if checkpoint.engine != "auto":
+        return checkpoint.engine
+    return "dcp" if getattr(parallelism, "sharded", False) else "rank0"
 
 
 @dataclass

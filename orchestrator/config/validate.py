@@ -29,6 +29,7 @@ def validate_config(cfg: OrchConfig) -> None:
         check_instantiable(key, node, supplied)
     _check_loggers(cfg)
     _check_memory_checkpoint_url(cfg)
+    _check_checkpoint_engine(cfg)
     _check_per_step(cfg)
 
 
@@ -44,6 +45,14 @@ def _check_memory_checkpoint_url(cfg: OrchConfig) -> None:
             f"is an in-process memory filesystem, but the job runs up to {ranks} processes "
             f"(cluster.nnodes={c.nnodes} x cluster.nproc_per_node={c.nproc_per_node}), each with its own copy",
         )
+
+
+def _check_checkpoint_engine(cfg: OrchConfig) -> None:
+    """rank0 writes what rank 0 holds: under a sharded strategy that is a shard, not the model."""
+    if cfg.checkpoint.engine == "rank0" and cfg.parallelism.sharded:
+        raise ConfigError("checkpoint.engine", "rank0", "use checkpoint.engine=dcp (or auto)",
+                          f"writes rank 0's state alone, but parallelism.strategy={cfg.parallelism.strategy} shards "
+                          "it over the ranks")
 
 
 def _check_per_step(cfg: OrchConfig) -> None:

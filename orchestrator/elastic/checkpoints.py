@@ -1,9 +1,11 @@
 """A session's checkpoints: periodic, final and emergency saves, and the restore at start, through orch's
 :class:`~orchestrator.checkpoint.CheckpointManager` (fsspec, atomic by manifest-last, async writes).
 
-Rank 0 writes; every rank reads. Every rank calls :meth:`SessionCheckpoints.save` (the RNG states are
-gathered) and :meth:`SessionCheckpoints.restore` (rank 0 picks the checkpoint and broadcasts its step, so
-every rank loads the same one even while newer directories appear or are found corrupt).
+Who writes is the engine ``checkpoint.engine`` names (orchestrator/checkpoint/engines.py): ``rank0`` (rank 0
+writes the whole state, every rank reads) or ``dcp`` (every rank writes its shards). Every rank calls
+:meth:`SessionCheckpoints.save` (the RNG states are gathered) and :meth:`SessionCheckpoints.restore` (rank 0
+picks the checkpoint and the engine hands its step to every rank, so every rank loads the same one even while
+newer directories appear or are found corrupt).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from orchestrator.checkpoint import CheckpointManager
+from orchestrator.checkpoint.engines import make_engine
 from orchestrator.checkpoint.fence import fence_from_env
 from orchestrator.checkpoint.interval import PROBE_STEPS, IntervalPolicy
 from orchestrator.config.schema import CheckpointConfig
@@ -43,7 +46,8 @@ def hash_settings(settings: Mapping[str, Any]) -> dict[str, str]:
 
 class SessionCheckpoints:
     """Saves and restores ``state`` at ``url`` per ``cfg`` (``every_n_steps``, ``keep_last``, ``async_save``,
-    ``resume``; its ``url`` is ignored: ``url`` is the resolved one). ``write(event)`` records events
+    ``resume``; its ``url`` is ignored: ``url`` is the resolved one; ``engine``: the resolved
+    ``checkpoint.engine``, :func:`orchestrator.config.schema.checkpoint_engine`). ``write(event)`` records events
     (rank 0's; others pass a no-op). ``fingerprint``: a short hash per setting that changes the math: stored
     in each checkpoint (:func:`hash_settings`); a resume whose fingerprint differs warns and emits
     ``checkpoint_config_changed``.
@@ -55,7 +59,7 @@ class SessionCheckpoints:
 
     def __init__(self, cfg: CheckpointConfig, url: str, state: TrainingState, ctx: DistContext,
                  device: torch.device, seed: int, write: WriteEvent, fingerprint: Optional[dict[str, str]] = None,
-                 run_dir: Optional[str] = None):
+                 run_dir: Optional[str] = None, engine: str = "rank0"):
         self.cfg, self.url, self.state, self.ctx, self.device, self.seed = cfg, url, state, ctx, device, seed
         self.write, self.fingerprint = write, fingerprint
         # The launcher's run id (ORCH_RUN_ID) goes into every manifest: retention keeps to this run's own steps.
@@ -64,6 +68,7 @@ class SessionCheckpoints:
         self.manager = CheckpointManager(url, keep_last=cfg.keep_last, async_save=cfg.async_save,
                                          on_event=self._on_event, run_id=os.environ.get("ORCH_RUN_ID"),
                                          format=cfg.format, fence=self._fence_check if self.fence else None)
+        self.engine = make_engine(engine, self.manager, state, ctx, collectives, cfg.async_save)
         self.last_saved_step: Optional[int] = None
         self.last_save_s: Optional[float] = None  # stall + write of the latest committed save (rank 0)
         # every_n_steps=auto: rank 0 measures and decides; every rank keeps the same next decision step.
@@ -98,23 +103,27 @@ class SessionCheckpoints:
         return self.last_save_s
 
     # -- save ---------------------------------------------------------------------------------------
-    def save(self, reason: str = "periodic") -> float:
-        """Checkpoint the current step (every rank calls this). Returns the seconds the loop was blocked."""
+    def save(self, reason: str = "periodic", sync: bool = False) -> float:
+        """Checkpoint the current step (every rank calls this); ``sync``: committed before it returns (an
+        emergency save). Returns the seconds the loop was blocked."""
         progress = self.state.progress
         rngs = collectives.all_gather_object(rng_state(self.device), self.ctx.world_size)
-        stall_s = 0.0
+        metadata: Optional[dict[str, Any]] = None
         if self.ctx.is_main:
-            metadata: dict[str, Any] = {}
+            metadata = {}
             if self.fingerprint is not None:
                 combined = hashlib.sha256(json.dumps(self.fingerprint, sort_keys=True).encode()).hexdigest()[:16]
                 metadata = {"config_fingerprint": combined, "config_fingerprint_keys": self.fingerprint}
             metadata.update({"world_size": self.ctx.world_size, "reason": reason, "step": progress.step,
                              "samples_consumed": progress.samples_consumed, "epoch": progress.epoch})
-            rng = RankRngStates(self.device, per_rank=rngs)
-            payloads = self.state.state_dict(self.ctx.world_size, {RNG_PAYLOAD: rng})
-            stall_s = self.manager.save(progress.step, payloads, metadata)
+        rng = RankRngStates(self.device, per_rank=rngs)
+        stall_s = self.engine.save(progress.step, metadata, {RNG_PAYLOAD: rng}, sync=sync)
         self.last_saved_step = progress.step
         return stall_s
+
+    def wait(self) -> None:
+        """Every rank: until this rank's save in flight is committed; CheckpointError if it failed."""
+        self.engine.wait()
 
     def maybe_save(self) -> None:
         """The periodic save, every ``every_n_steps`` steps (0: none; ``auto``: :meth:`_auto_save`)."""
@@ -158,8 +167,7 @@ class SessionCheckpoints:
         """The final checkpoint (unless this step was just saved), then wait for any write in flight."""
         if self.last_saved_step != self.state.progress.step:
             self.save(reason="final")
-        if self.ctx.is_main:
-            self.manager.wait()
+        self.engine.wait()
 
     # -- restore ------------------------------------------------------------------------------------
     def restore(self) -> Optional[int]:
@@ -167,20 +175,13 @@ class SessionCheckpoints:
         if self.cfg.resume == "never":
             return None
         started = time.perf_counter()
-        loaded = None
-        if self.ctx.is_main:
-            wanted = None if self.cfg.resume == "auto" else int(self.cfg.resume)
-            with warnings.catch_warnings():
-                warnings.simplefilter("always")
-                loaded = self.manager.load(wanted)
-        step = collectives.broadcast_object(loaded.step if loaded else None)
-        if step is None:
-            return None
-        loaded = loaded if self.ctx.is_main else self.manager.load(step)
-        self.state.check(loaded.state, step)
-        self._warn_changed(loaded.metadata, step)
+        wanted = None if self.cfg.resume == "auto" else int(self.cfg.resume)
         rng = RankRngStates(self.device, self.ctx.rank, self.seed, self.state.progress)
-        self.state.load_state_dict(loaded.state, {RNG_PAYLOAD: rng})
+        loaded = self.engine.restore(wanted, {RNG_PAYLOAD: rng})
+        if loaded is None:
+            return None
+        step = loaded.step
+        self._warn_changed(loaded.metadata, step)
         self.last_saved_step = step
         self.write(CheckpointLoaded(step=step, world_size=self.ctx.world_size,
                                    saved_world_size=loaded.metadata.get("world_size"),

@@ -40,34 +40,35 @@ def _from_tensor(data: torch.Tensor) -> Any:
     return decode(data.cpu().numpy().tobytes())
 
 
-def all_gather_object(obj: Any, world_size: int) -> list[Any]:
-    """Every rank's ``obj``, indexed by rank (dicts, lists, tuples, numbers, strings, None and tensors)."""
+def all_gather_object(obj: Any, world_size: int, group: Any = None) -> list[Any]:
+    """Every rank's ``obj``, indexed by rank (dicts, lists, tuples, numbers, strings, None and tensors), over
+    ``group`` (a gloo group of every rank, e.g. a background checkpoint commit's; None: the default group)."""
     if not grouped():
         return [obj]
-    device = _device()
+    device = _device() if group is None else torch.device("cpu")
     data = _to_tensor(obj, device)
     size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(world_size)]
-    dist.all_gather(sizes, size)
+    dist.all_gather(sizes, size, group=group)
     longest = int(max(s.item() for s in sizes))
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[:data.numel()] = data
     gathered = [torch.zeros_like(padded) for _ in range(world_size)]
-    dist.all_gather(gathered, padded)
+    dist.all_gather(gathered, padded, group=group)
     return [_from_tensor(g[:int(s.item())]) for g, s in zip(gathered, sizes)]
 
 
-def broadcast_object(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank (what :func:`all_gather_object` can carry)."""
+def broadcast_object(obj: Any, group: Any = None) -> Any:
+    """Rank 0's ``obj`` on every rank (what :func:`all_gather_object` can carry), over ``group`` as there."""
     if not grouped():
         return obj
-    device = _device()
+    device = _device() if group is None else torch.device("cpu")
     data = _to_tensor(obj, device) if dist.get_rank() == 0 else torch.zeros(0, dtype=torch.uint8, device=device)
     size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=0)
+    dist.broadcast(size, src=0, group=group)
     if dist.get_rank() != 0:
         data = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(data, src=0)
+    dist.broadcast(data, src=0, group=group)
     return _from_tensor(data)
 
 

@@ -96,12 +96,13 @@ class PreemptionResponse:
             self.watcher.leave_for_restart(RESTART_WAIT_S)
 
     def _commit_save_in_flight(self) -> None:
-        """Leaving for a restart starts no save, but lets a periodic one already being written commit (rank 0
-        writes alone, so no peer is needed): the next round then resumes from it. os._exit would tear it."""
-        if not self.ctx.is_main or self.checkpoints is None:
+        """Leaving for a restart starts no save, but lets a periodic one already being written commit (rank0:
+        rank 0 writes alone, so no peer is needed; dcp: every rank waits for its part, and a commit whose peer is
+        gone gives up after its group's timeout): the next round then resumes from it. os._exit would tear it."""
+        if self.checkpoints is None:
             return
         try:
-            self.checkpoints.manager.wait()
+            self.checkpoints.wait()  # rank0: rank 0's write; dcp: every rank's part of the commit
         except CheckpointError:
             pass  # the background writer logged checkpoint_failed; the next round resumes from an older save
 
@@ -119,9 +120,8 @@ class PreemptionResponse:
                 if expected is not None and expected > remaining:
                     self.write(PreemptionGraceShort(step=step, expected_save_s=expected, remaining_s=remaining,
                                                    grace_period_s=self.cfg.grace_period_s))
-            self.checkpoints.save(reason="preemption")
+            self.checkpoints.save(reason="preemption", sync=True)  # committed before anyone leaves
             if self.ctx.is_main:
-                self.checkpoints.manager.wait()  # synchronous: committed before anyone leaves
                 self.write(emergency_checkpoint(step, time.time() - start, notice_t))
         collectives.barrier()  # nobody exits before the checkpoint is committed
         notice = self.watcher.notice

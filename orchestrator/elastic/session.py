@@ -15,7 +15,7 @@ from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
-from orchestrator.config.schema import CheckpointConfig, OrchConfig, PreemptionConfig, TrainerConfig
+from orchestrator.config.schema import CheckpointConfig, OrchConfig, PreemptionConfig, TrainerConfig, checkpoint_engine
 from orchestrator.elastic import collectives
 from orchestrator.elastic.checkpoints import SessionCheckpoints, hash_settings
 from orchestrator.elastic.heartbeat import Heartbeat
@@ -80,8 +80,10 @@ class Session:
         self.startup = startup or StartupTimes()
         self.progress = Progress()
         self.state = TrainingState(self.progress)
+        engine = checkpoint_engine(ckpt, getattr(cfg, "parallelism", None))
         self.checkpoints = (SessionCheckpoints(ckpt, self.checkpoint_url, self.state, self.ctx, self.device, self.seed,
-                                               self.events.write_main, run_dir=run_dir) if self.checkpoint_url else None)
+                                               self.events.write_main, run_dir=run_dir, engine=engine)
+                            if self.checkpoint_url else None)
         self.trackers = open_trackers_rank0(cfg, run_dir, self.ctx.rank) if self.ctx.is_main else None
         self.log_every: int = trainer.log_every if log_every is None else log_every
         """A metrics record every N steps (and at ``max_steps``)."""

@@ -21,7 +21,7 @@ import hashlib
 import random
 import re
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Mapping, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -139,20 +139,25 @@ class TrainingState:
         """The first registered module (the one ``params_sha256`` in ``training_finished`` is computed over)."""
         return next((obj for obj in self.components.values() if isinstance(obj, torch.nn.Module)), None)
 
-    def state_dict(self, world_size: int, records: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+    def state_dict(self, world_size: int, records: Optional[Mapping[str, Any]] = None,
+                   skip: Iterable[str] = ()) -> dict[str, Any]:
         """The state as one dict: every component's ``state_dict()``, the progress (``"trainer"``, with
-        ``world_size``), and each of ``records`` (name -> Stateful: what the caller adds, e.g. ``"rng"``)."""
-        records = self._records(records)
-        return {**{name: obj.state_dict() for name, obj in self.components.items()},
+        ``world_size``), and each of ``records`` (name -> Stateful: what the caller adds, e.g. ``"rng"``).
+        ``skip``: components the caller saves another way (the DCP engine's modules and optimizers)."""
+        records, skip = self._records(records), set(skip)
+        return {**{name: obj.state_dict() for name, obj in self.components.items() if name not in skip},
                 PROGRESS_PAYLOAD: {**asdict(self.progress), "world_size": world_size},
                 **{name: record.state_dict() for name, record in records.items()}}
 
-    def load_state_dict(self, state: Mapping[str, Any], records: Optional[Mapping[str, Any]] = None) -> None:
-        """Load what :meth:`state_dict` made: every component, then the progress, then each of ``records`` (in
-        their order, so a record can read the progress just loaded). A checkpoint is checked first (:meth:`check`)."""
-        records = self._records(records)
+    def load_state_dict(self, state: Mapping[str, Any], records: Optional[Mapping[str, Any]] = None,
+                        skip: Iterable[str] = ()) -> None:
+        """Load what :meth:`state_dict` made: every component (but ``skip``), then the progress, then each of
+        ``records`` (in their order, so a record can read the progress just loaded). A checkpoint is checked first
+        (:meth:`check`)."""
+        records, skip = self._records(records), set(skip)
         for name, obj in self.components.items():
-            obj.load_state_dict(state[name])
+            if name not in skip:
+                obj.load_state_dict(state[name])
         saved = state[PROGRESS_PAYLOAD]
         self.progress.step, self.progress.samples_consumed = saved["step"], saved["samples_consumed"]
         self.progress.epoch = saved["epoch"]
