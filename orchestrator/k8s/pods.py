@@ -314,9 +314,13 @@ def require_shared_checkpoints(cfg: OrchConfig, pods: int, why: str) -> None:
     """Pods of one job must all reach the checkpoints: a replaced pod resumes from them."""
     url = cfg.checkpoint.url
     if pods > 1 and is_pod_local(url, cfg):
-        raise ConfigError("checkpoint.url", url,
-                          f"put checkpoints on storage every pod reaches, e.g. checkpoint.url=s3://BUCKET/orch/{cfg.preset} "
-                          f"(credentials from the Secret named by k8s.checkpoint_secret), or on a ReadWriteMany claim "
-                          f"of k8s.volumes (checkpoint.url=<its mount_path>/...)",
-                          f"is {'unset (the run dir)' if url is None else 'on local disk'}, which the {pods} pods of "
-                          f"this job ({why}) do not share: a pod that replaces a preempted one would not find them")
+        fix = (f"put checkpoints on storage every pod reaches, e.g. checkpoint.url=s3://BUCKET/orch/{cfg.preset} "
+               f"(credentials from the Secret named by k8s.checkpoint_secret), or on a ReadWriteMany claim of "
+               f"k8s.volumes (checkpoint.url=<its mount_path>/...)")
+        if url is None:  # no value to quote: say what the default is
+            raise UserError(f"checkpoint.url is not set, so checkpoints would go to each pod's own run dir, which "
+                            f"the {pods} pods of this job ({why}) do not share: a pod that replaces a preempted one "
+                            f"would not find them. Fix: {fix}")
+        raise ConfigError("checkpoint.url", url, fix, f"is on local disk, which the {pods} pods of this job "
+                                                      f"({why}) do not share: a pod that replaces a preempted one "
+                                                      "would not find them")
