@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 from typing import Any, Optional, Sequence, TextIO
 
@@ -41,6 +42,8 @@ class SiteBase:
         self.node_indexes = list(range(cfg.cluster.max_nodes))
         self.nodes_here = cfg.cluster.max_nodes
         self.plan: Optional[LaunchPlan] = None
+        self.command_t: Optional[float] = None
+        """When the launch command started (``orch launch``'s process start); None: when :meth:`run` was called."""
 
     # -- what a site may override ----------------------------------------------------------------------------
     def store_host(self) -> Optional[str]:
@@ -74,6 +77,7 @@ class SiteBase:
     def run(self, cfg: OrchConfig, run_id: str, overrides: Optional[Sequence[str]], progress: Any) -> str:
         """Connect, host the store, plan, check, open the run dir, run the controller; returns the status."""
         run_dir = cfg.run.dir
+        command_t = self.command_t or time.time()  # connecting (starting Ray) counts: goodput's launch
         events = EventLog(run_dir)
         secret = self._secret()
         check(cfg, self)  # everything checkable before anything starts: a problem exits 2, nothing written
@@ -93,7 +97,7 @@ class SiteBase:
                 started = events.write(LaunchStarted(preset=plan.preset, run_id=run_id, launcher=self.name,
                                                      nodes=len(self.node_indexes),
                                                      rendezvous_endpoint=plan.rendezvous_endpoint,
-                                                     site=self.launch_fields()))
+                                                     command_t=command_t, site=self.launch_fields()))
                 pool, hooks = self.start(events, store, started["t"])
                 agents = AgentMaker(plan, mode, {RUN_SECRET_ENV: secret} if secret else {}, gated=bool(secret))
                 controller = Controller(cfg, plan, pool, events, agents, nodes=self.node_indexes,

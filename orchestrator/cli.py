@@ -10,13 +10,12 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Callable, Optional
 
 from orchestrator import __version__
-from orchestrator.config.compose import split_preset
 from orchestrator.errors import OrchError
 from orchestrator.lifecycle.cli import LAUNCH_FLAGS, add_launch_options, add_lifecycle_parsers
-from orchestrator.report.summary import format_summary
 
 
 def _launch_epilog() -> str:
@@ -32,11 +31,12 @@ def _launch_epilog() -> str:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
+    from orchestrator.config.compose import split_preset
     from orchestrator.lifecycle.cli import run_launch
 
     preset, overrides = split_preset(args.overrides)
     return run_launch(preset, overrides, detach=args.detach, dry_run=args.dry_run, multirun=args.multirun,
-                      cfg=args.cfg)
+                      cfg=args.cfg, command_t=args.command_t)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -143,6 +143,7 @@ def cmd_bench_overhead(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from orchestrator.report.report import write_report
+    from orchestrator.report.summary import format_summary
 
     report = write_report(args.run_dir, baseline=args.baseline, warmup_steps=args.warmup_steps)
     if report["kind"] == "run":
@@ -156,9 +157,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_k8s_render(args: argparse.Namespace) -> int:
-    from orchestrator.k8s import render, write
-
+    from orchestrator.config.compose import split_preset
     from orchestrator.errors import UserError
+    from orchestrator.k8s import render, write
 
     preset, overrides = split_preset(args.overrides)
     if args.output and os.path.exists(args.output) and not os.path.isdir(args.output):
@@ -345,7 +346,12 @@ def options_last(argv: list[str], flags: tuple[str, ...]) -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    # The command's clock: this process's start for the real command line (interpreter and imports count), the
+    # call for an argv given in process. A launch's wall_s and goodput count from it.
+    command_t = _process_start() if argv is None else time.time()
+    command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
+    _say_what_starts(argv)
     if argv[:1] == ["launch"]:  # `--dry-run`, `--detach`, `-m`, `--cfg job` may stand anywhere among the overrides
         argv = options_last([a for a in argv if a not in LAUNCH_FLAGS] + [a for a in argv if a in LAUNCH_FLAGS],
                             ("--cfg",))
@@ -354,6 +360,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if argv[:2] == ["k8s", "render"]:  # options may stand anywhere among the overrides, too
         argv = options_last(argv, ("--format", "-o", "--output"))
     args = build_parser().parse_args(argv)
+    args.command_t = command_t
     code = _run(args)
     ray_launcher = sys.modules.get("launchers.ray")
     if ray_launcher is not None and ray_launcher.ABANDONED:
@@ -362,7 +369,41 @@ def main(argv: Optional[list[str]] = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    if command_line and "torch" in sys.modules:
+        _leave(code)
     return code
+
+
+def _leave(code: int) -> None:
+    """Exit now that everything is written: the exit hooks run (Ray's shutdown, logging's flush), the interpreter's
+    teardown does not. torch's takes seconds (its native destructors) after the run has ended, which the command's
+    wall time would show and the run's ``wall_s`` would not."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _process_start() -> float:
+    """When this process started, to 10 ms: its start in clock ticks since boot (``/proc/self/stat``) against
+    the time since boot now (psutil's create_time goes through the boot time in whole seconds: up to 1 s early)."""
+    try:
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):  # not Linux: the call's own clock
+        return time.time()
+
+
+def _say_what_starts(argv: list[str]) -> None:
+    """A launch's first line, before the imports and checks that take seconds (Hydra, torch, Ray): on a terminal
+    and through a pipe alike, something says what is being done within a second of the command."""
+    if argv[:1] not in (["launch"], ["resume"]) or {"--dry-run", "--cfg", "-h", "--help"} & set(argv):
+        return
+    what = " ".join(a for a in argv[1:] if a.startswith("conf=")) or " ".join(argv[1:2])
+    print(f"[orch] {argv[0]} {what}: composing the config, checking this machine, then starting the nodes ...",
+          flush=True)
 
 
 def _run(args: argparse.Namespace) -> int:

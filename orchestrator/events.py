@@ -199,6 +199,9 @@ class LaunchStarted(Event):
     launcher: str
     nodes: int
     rendezvous_endpoint: Optional[str]
+    command_t: Optional[float] = optional()
+    """When the command that launched the run started (the ``orch launch`` process; a Python launch: its call):
+    ``wall_s`` and goodput count from here, the time before this event being goodput's ``launch``."""
     site: Mapping[str, Any] = spread()  # the site's own: ray, driver_ip, placement, dashboard, testcluster
 
 

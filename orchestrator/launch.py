@@ -89,21 +89,27 @@ def check_launchable(preset: str, overrides: Sequence[str], here: bool = True) -
 
 
 def launch_preset(preset: str, overrides: Sequence[str] = (), *, echo: Optional[TextIO] = None,
-                  dry_run: bool = False) -> LaunchResult:
+                  dry_run: bool = False, command_t: Optional[float] = None) -> LaunchResult:
     """``orchestrator.launch``: compose ``preset`` with ``overrides`` and run it (see :func:`launch_config`)."""
-    return launch_config(compose_for_launch(preset, overrides), dry_run=dry_run, echo=echo, overrides=overrides)
+    command_t = command_t or time.time()  # composing counts too
+    return launch_config(compose_for_launch(preset, overrides), dry_run=dry_run, echo=echo, overrides=overrides,
+                         command_t=command_t)
 
 
 def launch_config(cfg: OrchConfig, *, dry_run: bool = False, echo: Optional[TextIO] = None,
-                  overrides: Optional[Sequence[str]] = None) -> LaunchResult:
+                  overrides: Optional[Sequence[str]] = None, command_t: Optional[float] = None) -> LaunchResult:
     """Run ``cfg``, or only plan it when ``dry_run``. ``echo``: where node output, live progress and a dry
     run's plan go; None: nowhere (the run dir has everything). ``overrides``: the command line ``cfg`` was
-    composed from, recorded in ``launch.json`` for ``orch resume`` (None: unknown). Returns the LaunchResult of
+    composed from, recorded in ``launch.json`` for ``orch resume`` (None: unknown). ``command_t``: when the
+    command started (``orch launch``: its process's start), where ``wall_s`` and goodput begin (None: now).
+    Returns the LaunchResult of
     a run that succeeded or was stopped (``orch stop``); raises UserError (exit 2, nothing written), RunFailed,
     Preempted or Interrupted otherwise."""
+    command_t = command_t or time.time()
     cfg.run.dir = resolve_run_dir(cfg)
     run_id = new_run_id(cfg)
     site = make_site(cfg, run_id, echo)  # reads what the site needs (a test cluster's hosts); connects nothing
+    site.command_t = command_t
     if dry_run:
         plan = site.make_plan(cfg.run.dir)
         if echo is not None:
@@ -115,6 +121,9 @@ def launch_config(cfg: OrchConfig, *, dry_run: bool = False, echo: Optional[Text
     status = site.run(cfg, run_id, overrides, progress)
     plan = site.plan
     summary = write_summary(cfg.run.dir)
+    from orchestrator.tracking.run_end import record_run_end
+
+    record_run_end(cfg, cfg.run.dir, run_id, summary)  # final metrics and artifacts in the run's tracker runs
     result = LaunchResult(status, cfg.run.dir, run_id, summary, plan)
     if status in ("succeeded", "stopped"):
         return result

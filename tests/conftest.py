@@ -11,6 +11,13 @@ import pytest
 pytest_plugins = ["orch_testcluster"]  # the testcluster fixture (opt-in: not loaded into users' pytest sessions)
 
 
+@pytest.fixture(autouse=True)
+def run_index_in_tmp(tmp_path_factory, monkeypatch):
+    """Every launch registers its run in the user's index of runs ($XDG_STATE_HOME/orch): a test's go to a
+    temporary state dir of the test's own (orch processes the test starts inherit it), never the developer's."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("xdg-state")))
+
+
 @pytest.fixture(scope="session")
 def moto_server():
     """A real S3 API: moto's server on loopback, on a port the OS picked. Yields its endpoint URL."""

@@ -183,7 +183,7 @@ def test_rank0_feeds_every_record_to_the_trackers_and_closes_them(tmp_path, monk
             calls.append(("config", cfg.trainer.max_steps))
 
         def log_metrics(self, step, metrics):
-            calls.append(("metrics", step, metrics["loss"] == metrics["loss"], "step" in metrics))
+            calls.append(("metrics", step, metrics["train/loss"] == metrics["train/loss"], "step" in metrics))
 
         def close(self):
             calls.append(("close",))

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+import select
+import subprocess
 import sys
+import time
 
 import pytest
 
-from orchproc import REPO, read_jsonl, run_orch, start_orch, stop_tree, summary, wait_for
+from orchproc import ORCH, REPO, orch_env, read_jsonl, run_orch, start_orch, stop_tree, summary, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -17,10 +20,25 @@ LOCAL = "launcher=local"  # what this file tests; the presets default to the Ray
 
 
 def test_cpu_gloo_trains_two_nodes_and_writes_the_run_dir(tmp_path):
+    """A foreground launch as a user runs it, through a pipe: its first line within 1 s of the command, and
+    summary.json's wall_s (and goodput) covering the command's own wall time, start-up included."""
     run_dir = tmp_path / "run"
-    result = run_orch("launch", "conf=cpu_gloo", LOCAL, f"run.dir={run_dir}")
+    began = time.monotonic()
+    proc = subprocess.Popen([*ORCH, "launch", "conf=cpu_gloo", LOCAL, f"run.dir={run_dir}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=orch_env(), cwd=REPO)
+    try:
+        spoke = select.select([proc.stdout], [], [], 1.0)[0]
+        first_s = time.monotonic() - began
+        stdout, stderr = proc.communicate(timeout=200)
+        command_s = time.monotonic() - began
+    finally:
+        stop_tree(proc.pid)
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert spoke and stdout.startswith("[orch] launch conf=cpu_gloo: "), (first_s, stdout[:200])
     s = summary(run_dir)
+    assert s["wall_s"] >= 0.9 * command_s, (s["wall_s"], command_s)
+    assert s["goodput"]["wall_s"] == pytest.approx(s["wall_s"]) and s["goodput"]["badput"]["launch_s"] > 0
     assert s["status"] == "succeeded" and s["steps_completed"] == 40
     assert s["world_size_history"] == [2]
     assert s["final_loss"] < s["first_loss"] - 0.5, "the loss should fall visibly"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -24,11 +25,15 @@ def status_field(out: str, name: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_detached_launch_survives_its_terminal_then_status_logs_stop_resume(tmp_path, capsys):
+def test_detached_launch_survives_its_terminal_then_status_logs_stop_resume(tmp_path, capsys, monkeypatch):
     """The launch and its resume are processes of their own (the detached one outlives its terminal); status,
-    logs and stop, which read the run dir and signal the detached process, run the CLI's main in this process."""
-    run_dir = tmp_path / "run"
-    launch = [*ORCH, "launch", "conf=cpu_gloo", "trainer.max_steps=400", *SLOW, f"run.dir={run_dir}", "--detach"]
+    logs and stop, which read the run dir and signal the detached process, run the CLI's main in this process.
+    After the launch every command names the run by its id, from another directory (the user's index of runs);
+    the resume keeps the run id and its one MLflow run."""
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    launch = [*ORCH, "launch", "conf=cpu_gloo", "trainer.max_steps=400", *SLOW, "logger=[tensorboard,mlflow]", f"run.dir={run_dir}",
+              "--detach"]
     # A "terminal": its own session, which launches and then hangs up on its whole process group, as closing a
     # terminal window does. SIGHUP as a terminal's processes have it, whatever this test inherited (under nohup
     # it is ignored, and a shell cannot un-ignore it: the hangup would reach nothing).
@@ -39,8 +44,12 @@ def test_detached_launch_survives_its_terminal_then_status_logs_stop_resume(tmp_
     try:
         assert terminal.returncode == -signal.SIGHUP, terminal.stderr  # the terminal died of the hangup
         assert f"run dir: {run_dir}" in terminal.stdout and "run id: cpu-gloo-" in terminal.stdout
+        run_id = status_field(terminal.stdout, "run id")
+        assert f"orch status {run_id}" in terminal.stdout, "the hint names the run by its id"
+        monkeypatch.chdir(elsewhere)
+
         def step() -> int:
-            status = orch_here(capsys, "status", str(run_dir))
+            status = orch_here(capsys, "status", run_id)
             assert status.returncode == 0, status.stderr
             state = status_field(status.stdout, "state")
             assert state in ("starting", "running"), status.stdout
@@ -49,14 +58,17 @@ def test_detached_launch_survives_its_terminal_then_status_logs_stop_resume(tmp_
         first = wait_for(step, 150, "a step in orch status", interval=1.0)
         wait_for(lambda: step() > first, 60, "the step count to grow", interval=1.0)
 
-        logs = orch_here(capsys, "logs", str(run_dir))
+        logs = orch_here(capsys, "logs", run_id)
         assert logs.returncode == 0 and "[rank0] step " in logs.stdout, logs.stderr
-        node_log = orch_here(capsys, "logs", str(run_dir), "--node", "1")
+        node_log = orch_here(capsys, "logs", run_id, "--node", "1")
         assert node_log.returncode == 0 and "world size 2" in node_log.stdout, node_log.stderr
+        table = orch_here(capsys, "status")  # every run the user launched, wherever its run dir is
+        assert table.returncode == 0 and run_id in table.stdout and str(run_dir) in table.stdout, table.stdout
 
-        stopped = orch_here(capsys, "stop", str(run_dir))
+        stopped = orch_here(capsys, "stop", run_id)
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-        assert "stopped at step" in stopped.stdout and "emergency checkpoint at step" in stopped.stdout
+        said = re.search(r"stopped at step (\d+) \(emergency checkpoint at step (\d+)\)", stopped.stdout)
+        assert said and said.group(1) == said.group(2), stopped.stdout  # one step named
         wait_for(lambda: not _alive(pid), 30, "the detached process to exit")
     finally:
         stop_tree(pid)
@@ -64,19 +76,45 @@ def test_detached_launch_survives_its_terminal_then_status_logs_stop_resume(tmp_
     assert summary["status"] == "stopped" and summary["steps_completed"] < 400
     saved = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "emergency_checkpoint"]
     assert saved, "no emergency checkpoint was written"
-    again = orch_here(capsys, "stop", str(run_dir))  # a stopped run is not running
+    again = orch_here(capsys, "stop", run_id)  # a stopped run is not running
     assert again.returncode == 2 and "is not running: it ended stopped" in again.stderr
 
-    resumed = run_orch("resume", str(run_dir), "trainer.log_every=50", timeout=240)
+    resumed = run_orch("resume", run_id, "trainer.log_every=50", timeout=240, cwd=elsewhere)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr
     assert "run succeeded: 400 steps" in resumed.stdout
     record = json.loads((run_dir / "launch.json").read_text())
-    assert record["overrides"] == ["trainer.max_steps=400", *SLOW, "trainer.log_every=50"]  # recorded + extra
+    assert record["overrides"] == ["trainer.max_steps=400", *SLOW, "logger=[tensorboard,mlflow]",
+                                   "trainer.log_every=50"]  # recorded + extra
+    assert (record["run_id"], record["attempt"]) == (run_id, 2), "the same run, launched a second time"
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
+    runs = client.search_runs([client.get_experiment_by_name("orch").experiment_id])
+    assert [r.info.run_name for r in runs] == [run_id], "one MLflow run for the stopped and the resumed launch"
+    mlflow_run = client.get_run(runs[0].info.run_id)
+    assert max(m.step for m in client.get_metric_history(mlflow_run.info.run_id, "train/loss")) == 400
+    assert mlflow_run.data.metrics["summary/steps_completed"] == 400 and "goodput/goodput" in mlflow_run.data.metrics
+    assert "system/world_size" in mlflow_run.data.metrics and mlflow_run.info.status == "FINISHED"
+    assert {a.path for a in client.list_artifacts(mlflow_run.info.run_id)} >= {"config.yaml", "summary.json"}
+    params = mlflow_run.data.params
+    assert params["trainer.max_steps"] == "400" and not [k for k in params if k.startswith("k8s.")], params
+    assert "" not in params.values()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(run_dir / "tensorboard"))
+    board.Reload()
+    assert "train/loss" in board.Tags()["scalars"]
     events = read_jsonl(run_dir / "events.jsonl")
     loaded = [e for e in events if e["event"] == "checkpoint_loaded"]
     assert loaded and loaded[-1]["step"] == saved[-1]["step"], (loaded, saved)
-    status = orch_here(capsys, "status", str(run_dir))
+    status = orch_here(capsys, "status", run_id)
     assert status_field(status.stdout, "state") == "succeeded" and status_field(status.stdout, "step") == "400"
+    logs = orch_here(capsys, "logs", run_id)  # the newest attempt's (a foreground one: its node logs, its part)
+    assert logs.returncode == 0 and "step 400/400" in logs.stdout, logs.stdout[-2000:]
+    before = (int(said.group(1)) - 1) // 5 * 5  # a step the stopped attempt logged (cpu_gloo logs every 5)
+    assert f"step {before}/400" not in logs.stdout, "the stopped attempt's lines are not shown"
+
 
 
 def _alive(pid: int) -> bool:
@@ -128,8 +166,36 @@ def test_missing_stale_and_foreign_runs_are_one_line_errors(tmp_path, capsys, mo
         code, _, err = orch(capsys, command, str(foreign))
         assert code == 2 and "launched by user 'someone-else', not you" in err, err
 
-    code, out, _ = orch(capsys, "status")  # nothing under runs/ here
-    assert code == 0 and "no runs under" in out
+    code, out, _ = orch(capsys, "status")  # the index holds someone else's run only; nothing under runs/ here
+    assert code == 0 and "no runs: none launched by you" in out
+
+
+@pytest.mark.timeout(60)
+def test_the_index_finds_a_run_by_id_anywhere_and_lists_failed_ones_with_their_cause(tmp_path, capsys, monkeypatch):
+    """Every launch record registers the run (id -> run dir) in the user's index ($XDG_STATE_HOME/orch, 0700): a run
+    dir outside runs/ is found by its id from another directory, and `orch status` lists it with its root cause."""
+    from orchestrator import run_index
+    from orchestrator.events import RunFinished
+    from orchestrator.rundir import EventLog
+
+    failed = tmp_path / "somewhere" / "x"
+    _record(failed, supervisor={"pid": unused_pid(), "host": os.uname().nodename, "create_time": time.time()})
+    EventLog(str(failed)).write(RunFinished(status="failed", attempts=1, node_exit_codes={"0": 1}))
+    (failed / "summary.json").write_text(json.dumps({"status": "failed", "root_cause": {
+        "rank": 1, "node": 0, "error": "Traceback ...\nRuntimeError: CUDA out of memory"}}))
+    assert run_index.lookup("cpu_gloo-x") == failed.resolve()
+    index = Path(os.environ["XDG_STATE_HOME"]) / "orch"
+    assert (index.stat().st_mode & 0o777, (index / "runs").stat().st_mode & 0o777) == (0o700, 0o700)
+    monkeypatch.chdir(tmp_path)
+    status = orch_here(capsys, "status", "cpu_gloo-x")
+    assert status.returncode == 0 and status_field(status.stdout, "state") == "failed", status.stderr
+    assert status_field(status.stdout, "root cause") == "rank 1: RuntimeError: CUDA out of memory"
+    table = orch_here(capsys, "status").stdout.splitlines()
+    row = next(i for i, line in enumerate(table) if line.startswith("cpu_gloo-x "))
+    assert " failed " in table[row] and str(failed.resolve()) in table[row]
+    assert table[row + 1].strip() == "root cause: rank 1: RuntimeError: CUDA out of memory"
+    code, _, err = orch(capsys, "status", "no-such-run")
+    assert code == 2 and "not found" in err and str(index) in err
 
 
 @pytest.mark.timeout(120)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import format_summary
+from orchestrator.report.summary import format_summary
 from orchestrator.report import efficiency as eff
 from orchproc import orch_here, read_jsonl, run_orch, start_orch, stop_tree, summary, wait_for
 

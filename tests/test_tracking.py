@@ -279,3 +279,51 @@ def test_launch_logs_to_tensorboard_and_mlflow(tmp_path, file_store_readable):
     history = client.get_metric_history(run.info.run_id, "loss")
     assert {m.step: m.value for m in history} == pytest.approx(logged)
     assert run.info.status == "FINISHED" and run.data.params["trainer.max_steps"] == "10"
+
+
+def test_records_get_the_ecosystems_names_and_params_only_what_matters(monkeypatch):
+    """HF/Lightning naming for every script style's records; no k8s.* keys outside a pod, no empty values."""
+    from orchestrator.elastic.metrics import flatten
+    from orchestrator.tracking.api import relevant_params
+
+    record = {"t": 1.0, "step": 4, "loss": 2.0, "lr": 1e-3, "samples_per_s": 80.0, "world_size": 2,
+              "step_time_s": 0.1, "restart_count": 1, "grad_norm": None, "timing": {"forward_s": 0.02}}
+    assert flatten(record) == {"train/loss": 2.0, "train/lr": 1e-3, "train/samples_per_s": 80.0,
+                               "system/world_size": 2, "system/step_time_s": 0.1, "system/restart_count": 1,
+                               "system/timing/forward_s": 0.02}
+    params = flatten_config(compose_config("cpu_gloo", []))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    kept = relevant_params(params)
+    assert any(k.startswith("k8s.") for k in params) and not any(k.startswith("k8s.") for k in kept)
+    assert "" not in kept.values() and kept["trainer.max_steps"] == params["trainer.max_steps"]
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")  # inside a pod the manifest's keys matter
+    assert any(k.startswith("k8s.") for k in relevant_params(params))
+
+
+def test_the_runs_end_adds_final_metrics_and_artifacts_to_the_same_runs(tmp_path, monkeypatch, file_store_readable):
+    """What the driver does after summary.json: the tracker runs rank 0 logged into get the summary's figures,
+    config.yaml and summary.json (MLflow artifacts; TensorBoard hparams and a text summary)."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    import json
+
+    from orchestrator.newrun import write_config
+    from orchestrator.tracking.run_end import record_run_end
+
+    cfg = compose_config("cpu_gloo", ["logger=[tensorboard,mlflow]", f"run.dir={tmp_path}"])
+    write_config(cfg, str(tmp_path))
+    summary = {"status": "succeeded", "steps_completed": 10, "wall_s": 12.5, "final_loss": 1.5,
+               "goodput": {"goodput": 0.8, "productive_s": 10.0, "lost_steps": 0, "badput": {"launch_s": 2.5}}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    with open_trackers(cfg, tmp_path, rank=0, run_name="end-1") as trackers:  # rank 0, during the run
+        trackers.log_metrics(10, {"train/loss": 1.5})
+    record_run_end(cfg, tmp_path, "end-1", summary)
+
+    client, run = mlflow_run((tmp_path / "mlruns").as_uri())
+    assert run.info.run_name == "end-1" and run.info.status == "FINISHED"
+    assert run.data.metrics["summary/wall_s"] == 12.5 and run.data.metrics["goodput/goodput"] == 0.8
+    assert run.data.metrics["goodput/badput/launch_s"] == 2.5 and run.data.metrics["train/loss"] == 1.5
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"config.yaml", "summary.json"}
+    assert tensorboard_scalars(tmp_path / "tensorboard", "summary/wall_s") == {10: 12.5}
+    event_bytes = b"".join(p.read_bytes() for p in (tmp_path / "tensorboard").rglob("events.*"))
+    assert b"hparams" in event_bytes and b"succeeded" in event_bytes

@@ -119,10 +119,11 @@ def _scalar(value: Any, device: torch.device) -> torch.Tensor:
 
 
 def flatten(record: dict[str, Any]) -> dict[str, Any]:
-    """The record as trackers take it: without ``t`` and ``step``, ``timing`` as ``timing/<phase>_s``."""
-    out = {k: v for k, v in record.items() if k not in ("t", "step", "timing") and v is not None}
-    out.update({f"timing/{k}": v for k, v in record.get("timing", {}).items()})
-    return out
+    """The record as trackers take it (``train/loss``, ``system/world_size``, ``system/timing/<phase>_s``: see
+    orchestrator/tracking/names.py)."""
+    from orchestrator.tracking.names import train_metrics
+
+    return train_metrics(record)
 
 
 def progress_line(record: dict[str, Any], rank: int, max_steps: int) -> str:

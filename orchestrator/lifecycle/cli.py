@@ -20,8 +20,9 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
 
 
 def run_launch(preset: str, overrides: Sequence[str], *, detach: bool = False, dry_run: bool = False,
-               multirun: bool = False, cfg: str | None = None) -> int:
-    """``orch launch`` (and ``orch resume``, with the recorded overrides): pick the mode and run it."""
+               multirun: bool = False, cfg: str | None = None, command_t: float | None = None) -> int:
+    """``orch launch`` (and ``orch resume``, with the recorded overrides): pick the mode and run it.
+    ``command_t``: when the command started (a foreground launch's wall_s and goodput count from it)."""
     import orchestrator
     from orchestrator.errors import UserError
     from orchestrator.lifecycle import rayjobs
@@ -50,7 +51,9 @@ def run_launch(preset: str, overrides: Sequence[str], *, detach: bool = False, d
         print(f"detached: the run goes on in the background (its output: {run_dir}/orch.log)")
         _print_handles(run_dir, run_id)
         return 0
-    result = orchestrator.launch(preset, overrides, echo=sys.stdout, dry_run=dry_run)
+    from orchestrator.launch import launch_preset
+
+    result = launch_preset(preset, list(overrides), echo=sys.stdout, dry_run=dry_run, command_t=command_t)
     if not dry_run:
         print(format_summary(result.summary, result.run_dir))
         if result.status == "stopped":
@@ -76,14 +79,9 @@ def _ray_job(preset: str, overrides: Sequence[str], detach: bool) -> int:
 
 
 def _print_handles(run_dir: str, run_id: str) -> None:
-    from pathlib import Path
-
-    from orchestrator.lifecycle.runs import RUNS_ROOT
-
-    # A run id is looked up under runs/; a run elsewhere (run.dir=...) is named by its dir.
-    ref = run_id if Path(run_dir).parent.parent == Path(RUNS_ROOT).resolve() else run_dir
-    print(f"run dir: {run_dir}\nrun id: {run_id}\n"
-          f"  orch status {ref}  |  orch logs {ref} --follow  |  orch stop {ref}  |  orch resume {ref}", flush=True)
+    # The run id works from any directory (the user's index of runs), wherever the run dir is.
+    print(f"run dir: {run_dir}\nrun id: {run_id}\n  orch status {run_id}  |  orch logs {run_id} --follow  |  "
+          f"orch stop {run_id}  |  orch resume {run_id}", flush=True)
 
 
 def _write(text: str) -> None:
@@ -111,8 +109,10 @@ def cmd_stop(args: argparse.Namespace) -> int:
     print(f"stopping {args.run}: every node saves an emergency checkpoint and leaves ...", flush=True)
     stopped = stop_run(args.run, timeout_s=args.timeout)
     saved = stopped["emergency_checkpoint"]
-    where = f"emergency checkpoint at step {saved.get('step')}" if saved else "no emergency checkpoint was needed"
-    print(f"run {stopped['run_id']} {stopped['state']} at step {stopped['step']} ({where}); "
+    # The checkpoint's step is the step the run goes on from (the step in hand when the notice came).
+    step = saved.get("step") if saved else stopped["step"]
+    where = f"emergency checkpoint at step {step}" if saved else "no emergency checkpoint was needed"
+    print(f"run {stopped['run_id']} {stopped['state']} at step {step} ({where}); "
           f"`orch resume {stopped['run_id']}` goes on\nrun dir: {stopped['run_dir']}")
     return 0
 
@@ -122,14 +122,14 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
     preset, overrides = resume_args(args.run, args.overrides)
     print(f"resuming: orch launch conf={preset} {' '.join(overrides)}", flush=True)
-    return run_launch(preset, overrides, detach=args.detach)
+    return run_launch(preset, overrides, detach=args.detach, command_t=getattr(args, "command_t", None))
 
 
 def add_lifecycle_parsers(sub) -> None:
     """``orch status``, ``orch logs``, ``orch stop`` and ``orch resume``."""
-    run_help = "a run dir, a run id, or PRESET/NAME under runs/"
+    run_help = "a run id (from any directory), a run dir, or PRESET/NAME under runs/"
     p = sub.add_parser("status", help="where a run stands (state, world size, step, goodput, last event); "
-                                      "without RUN, a table of the runs under runs/")
+                                      "without RUN, a table of every run you launched, newest first")
     p.add_argument("run", nargs="?", metavar="RUN", help=run_help)
     p.set_defaults(func=cmd_status)
     p = sub.add_parser("logs", help="print a run's log (what `orch launch` prints), or one node's")
@@ -141,7 +141,8 @@ def add_lifecycle_parsers(sub) -> None:
     p.add_argument("run", metavar="RUN", help=run_help)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for it to end (default 300)")
     p.set_defaults(func=cmd_stop)
-    p = sub.add_parser("resume", help="launch a run again with its recorded preset and overrides (plus new ones)",
+    p = sub.add_parser("resume", help="launch a run again under its run id with its recorded preset and overrides "
+                                      "(plus new ones): the same run dir, tracker runs and checkpoints",
                        usage="orch resume RUN [key=value ...] [--detach]")
     p.add_argument("run", metavar="RUN", help=run_help)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="more overrides, recorded with the others")

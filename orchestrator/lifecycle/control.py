@@ -21,10 +21,12 @@ FOLLOW_POLL_S = 0.5
 
 
 def _log_files(run_dir: Path, record: dict[str, Any], node: Optional[int]) -> list[Path]:
+    """The newest attempt's logs: a detached one's ``orch.log`` (everything it printed, node lines included),
+    else the node logs."""
     if node is not None:
         return [run_dir / LOGS_DIR / f"node{node}.log"]
-    if (run_dir / ORCH_LOG).is_file():
-        return [run_dir / ORCH_LOG]  # a detached launch: everything it printed, node lines included
+    if record.get("mode") == "detached" and (run_dir / ORCH_LOG).is_file():
+        return [run_dir / ORCH_LOG]
     return sorted((run_dir / LOGS_DIR).glob("node*.log"))
 
 
@@ -44,11 +46,12 @@ def show_logs(ref: str, follow: bool, node: Optional[int], write: Callable[[str]
         which = f"node {node}" if node is not None else "the run"
         raise UserError(f"run {ref!r} has no log for {which} yet ({', '.join(str(f) for f in files) or LOGS_DIR}). "
                         "Fix: see the nodes in `orch status`; node logs appear once its agents started")
+    starts = record.get("log_offsets") or {}  # where this attempt's part of each log begins
     offsets: dict[Path, int] = {}
     while True:
         live = follow and status_of(run_dir, record).state in LIVE
         for f in _log_files(run_dir, record, node):  # node logs appear as their agents start
-            offsets.setdefault(f, 0)
+            offsets.setdefault(f, starts.get(f.name, 0))
             try:
                 with f.open("rb") as stream:
                     stream.seek(offsets[f])
@@ -108,5 +111,6 @@ def resume_args(ref: str, extra: Sequence[str]) -> tuple[str, list[str]]:
         preset, extra = split_preset(extra)
         if preset != record["preset"]:
             raise UserError(f"conf={preset}: run {ref!r} was launched with conf={record['preset']}. Fix: leave conf= out")
-    overrides = merge_overrides(record["overrides"], [o for o in extra if not o.startswith("run.dir=")])
-    return record["preset"], overrides + [f"run.dir={run_dir}"]
+    overrides = merge_overrides(record["overrides"], [o for o in extra if not o.startswith(("run.dir=", "run.id="))])
+    # The same run id: the tracker runs (MLflow's, W&B's) and the index go on with it.
+    return record["preset"], overrides + [f"run.dir={run_dir}", f"run.id={record['run_id']}"]

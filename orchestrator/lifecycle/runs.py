@@ -1,9 +1,10 @@
 """Find a run again and say where it stands: ``orch status [RUN]``.
 
-RUN is a run dir (a path), a run id (``cpu-gloo-20261130151151-6b4ba4``) or a name under ``runs/`` (``cpu_gloo/
-20261130-151151-1a2b``). A run's state comes from its own files: ``run_finished`` in ``events.jsonl`` says how
-it ended; before that it is ``starting`` or ``running`` while its supervising process (``launch.json``) is alive,
-or its Ray job runs, and ``stale`` once that is gone without an end recorded.
+RUN is a run dir (a path), a run id (``cpu-gloo-20261130151151-6b4ba4``, found in the user's index of runs from
+any directory: orchestrator/run_index.py) or a name under ``runs/`` (``cpu_gloo/20261130-151151-1a2b``). A run's
+state comes from its own files: ``run_finished`` in ``events.jsonl`` says how it ended; before that it is
+``starting`` or ``running`` while its supervising process (``launch.json``) is alive, or its Ray job runs, and
+``stale`` once that is gone without an end recorded.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from orchestrator import run_index
 from orchestrator.errors import UserError
 from orchestrator.launch_record import read_record
 from orchestrator.rundir import EVENTS_FILE, LAUNCH_FILE, METRICS_FILE, ORCH_LOG, EventName, read_jsonl
@@ -50,6 +52,11 @@ class RunStatusView:
                 ("world size", _or_dash(self.world_size)), ("step", _or_dash(self.step)),
                 ("goodput", "-" if self.goodput is None else f"{self.goodput:.1%}"),
                 ("last event", f"{describe_event(last)} {time.time() - last['t']:.0f} s ago" if last else "-")]
+        cause = root_cause(self.run_dir) if self.state == "failed" else None
+        if cause:
+            rows.insert(3, ("root cause", cause))
+        if self.record.get("attempt", 1) > 1:
+            rows.insert(3, ("attempt", str(self.record["attempt"])))
         if self.record.get("ray_job"):
             rows.insert(4, ("ray job", f"{self.record['ray_job']['submission_id']} at {self.record['ray_job']['address']}"))
         return "\n".join(f"{k + ':':<12} {v}" for k, v in rows)
@@ -64,15 +71,18 @@ def find_run(ref: str) -> Path:
     path = Path(ref)
     if (path / LAUNCH_FILE).is_file() or (path / EVENTS_FILE).is_file():
         return path.resolve()
-    for candidate in (Path(RUNS_ROOT) / ref,):
-        if (candidate / LAUNCH_FILE).is_file():
-            return candidate.resolve()
+    if (Path(RUNS_ROOT) / ref / LAUNCH_FILE).is_file():
+        return (Path(RUNS_ROOT) / ref).resolve()
+    indexed = run_index.lookup(ref)
+    if indexed is not None and (indexed / LAUNCH_FILE).is_file():
+        return indexed.resolve()
     for record_path in Path(RUNS_ROOT).glob(f"*/*/{LAUNCH_FILE}"):
         record = read_record(record_path.parent)
         if record and record.get("run_id") == ref:
             return record_path.parent.resolve()
-    raise UserError(f"run {ref!r} not found: no run dir at that path, under {RUNS_ROOT}/, or with that run id. "
-                    f"Fix: give the run dir `orch launch` printed, or see `orch status` for the runs under {RUNS_ROOT}/")
+    raise UserError(f"run {ref!r} not found: no run dir at that path, under {RUNS_ROOT}/, or with that run id in "
+                    f"{run_index.index_dir()}. Fix: give the run dir `orch launch` printed, or see `orch status` "
+                    "for every run you launched")
 
 
 def own_run(ref: str, act: str) -> tuple[Path, dict[str, Any]]:
@@ -157,20 +167,48 @@ def run_status(ref: str) -> RunStatusView:
     return view
 
 
+def root_cause(run_dir: str) -> Optional[str]:
+    """A failed run's root cause in one line, from its ``summary.json`` (the earliest failing rank's error, else the
+    controller's reason); None when it names none."""
+    import json
+
+    try:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    cause = summary.get("root_cause") or {}
+    if cause.get("error"):
+        who = f"rank {cause['rank']}" if cause.get("rank") is not None else f"node {cause.get('node')}"
+        return f"{who}: {str(cause['error']).strip().splitlines()[-1][:160]}" if str(cause["error"]).strip() else who
+    reason = summary.get("failure_reason")
+    return str(reason).splitlines()[0][:160] if reason else None
+
+
 def status_table(root: str = RUNS_ROOT) -> str:
-    """``orch status``: every run under ``runs/``, newest first, as a table."""
+    """``orch status``: every run the user launched (the index of runs) and every run under ``runs/`` here, newest
+    first, as a table; a failed run's root cause under its row."""
+    dirs = {d.resolve() for d in run_index.known_run_dirs()}
+    dirs.update(p.parent.resolve() for p in Path(root).glob(f"*/*/{LAUNCH_FILE}"))
     views = []
-    for record_path in Path(root).glob(f"*/*/{LAUNCH_FILE}"):
-        record = read_record(record_path.parent)
-        if record is not None:
-            views.append(status_of(record_path.parent.resolve(), record))
+    for run_dir in dirs:
+        record = read_record(run_dir)
+        if record is not None and record.get("uid", os.getuid()) == os.getuid():
+            views.append(status_of(run_dir, record))
     from orchestrator.checkpoint.inspect import _table  # the CLI's plain text tables
 
     if not views:
-        return f"no runs under {Path(root).resolve()} (orch launch writes them there unless run.dir= is given)"
+        return (f"no runs: none launched by you (index: {run_index.index_dir()}) and none under "
+                f"{Path(root).resolve()}")
     views.sort(key=lambda v: -v.record.get("t", 0.0))
-    header = ("RUN", "STATE", "WORLD", "STEP", "GOODPUT", "USER", "LAST EVENT")
+    header = ("RUN", "STATE", "WORLD", "STEP", "GOODPUT", "LAST EVENT", "RUN DIR")
     rows = [(v.run_id, v.state, _or_dash(v.world_size), _or_dash(v.step),
-             "-" if v.goodput is None else f"{v.goodput:.1%}", v.record.get("user", "?"),
-             v.last_event["event"] if v.last_event else "-") for v in views]
-    return _table([header, *rows])
+             "-" if v.goodput is None else f"{v.goodput:.1%}",
+             v.last_event["event"] if v.last_event else "-", v.run_dir) for v in views]
+    table = _table([header, *rows]).splitlines()
+    out = table[:1]
+    for view, line in zip(views, table[1:]):
+        out.append(line)
+        cause = root_cause(view.run_dir) if view.state == "failed" else None
+        if cause:
+            out.append(f"  root cause: {cause}")
+    return "\n".join(out)

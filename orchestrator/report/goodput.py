@@ -210,9 +210,18 @@ def _move_mode_seconds(metrics: list[dict[str, Any]], totals: dict[str, float]) 
     return categories
 
 
+def launch_start(events: list[dict[str, Any]]) -> float | None:
+    """When the launch began: its command's start (``launch_started.command_t``: composing, checks and starting
+    Ray count, as goodput's ``launch``), else ``launch_started``'s own time; None without one."""
+    started = next((e for e in events if e["event"] == EventName.LAUNCH_STARTED), None)
+    if started is None:
+        return None
+    return min(started.get("command_t") or started["t"], started["t"])
+
+
 def compute_goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Goodput and its badput breakdown for one launch's events and metrics (None without a finished run)."""
-    start = next((e["t"] for e in events if e["event"] == EventName.LAUNCH_STARTED), None)
+    start = launch_start(events)
     end = next((e["t"] for e in reversed(events) if e["event"] == EventName.RUN_FINISHED), None)
     if start is None or end is None or end <= start:
         return None

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from orchestrator.report.goodput import compute_goodput
+from orchestrator.report.goodput import compute_goodput, launch_start
 from orchestrator.report.efficiency import run_efficiency
 from orchestrator.rundir import EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, EventName, latest_launch, read_jsonl
 
@@ -89,7 +89,7 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         "first_loss": metrics[0]["loss"] if metrics else None,
         "world_size_history": world_size_history(events),
         "recoveries": recoveries(events),
-        "wall_s": (run_finished["t"] - start) if run_finished and start else None,
+        "wall_s": (run_finished["t"] - launch_start(events)) if run_finished and launch_start(events) else None,
         "params_sha256": finished.get("params_sha256"),
         "restarts": sum(1 for e in events if e["event"] == EventName.RESTART),
         "preemptions": sum(1 for e in events if e["event"] == EventName.NODE_PREEMPTED),

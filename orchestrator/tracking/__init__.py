@@ -4,7 +4,7 @@ Rank 0 opens the trackers once and feeds them the run's flattened config and eve
 
     trackers = open_trackers(cfg, run_dir, rank)
     trackers.log_config(config_dict)
-    trackers.log_metrics(step, {"loss": 2.1, "lr": 3e-3})
+    trackers.log_metrics(step, {"train/loss": 2.1, "train/lr": 3e-3})
     trackers.close()
 
 Any other rank, or ``logger=none``, gets a :class:`Trackers` that does nothing, so callers need no ``if``.

@@ -11,7 +11,7 @@ import numbers
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Mapping, Optional, Protocol
 
 from orchestrator.errors import UserError
 
@@ -53,6 +53,10 @@ class Tracker(Protocol):
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """Record one step's scalar metrics."""
 
+    def log_summary(self, step: int, metrics: dict[str, float], files: list[Path], status: str) -> None:
+        """At the run's end (the driver, after ``summary.json``): its figures as final metrics, its files (config,
+        summary, report and plots) as artifacts, and how it ended (``succeeded``, ``failed``, ...)."""
+
     def close(self) -> None:
         """Flush and finish the run; the tracker is not used afterwards."""
 
@@ -75,10 +79,16 @@ class Trackers:
         return bool(self._trackers)
 
     def log_config(self, config: Any) -> None:
-        """Log ``config`` (a dict, a dataclass or an OmegaConf node), flattened to dotted keys."""
+        """Log ``config`` (a dict, a dataclass or an OmegaConf node), flattened to dotted keys: the keys that
+        matter for the run (:func:`relevant_params`)."""
         if self._trackers:
-            params = flatten_config(config)
+            params = relevant_params(flatten_config(config))
             self._each("log_config", params)
+
+    def log_summary(self, step: int, metrics: Mapping[str, Any], files: list[Path], status: str) -> None:
+        """The run's end: final metrics (numeric ones), artifacts, its status (see :class:`Tracker`)."""
+        if self._trackers:
+            self._each("log_summary", int(step), numeric_metrics(metrics), [Path(f) for f in files], status)
 
     def log_metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Log the finite numeric values of ``metrics`` at ``step`` (see :func:`numeric_metrics`)."""
@@ -115,20 +125,20 @@ class Trackers:
                     pass
 
 
-def open_trackers(cfg: Any, run_dir: str | Path, rank: int) -> Trackers:
+def open_trackers(cfg: Any, run_dir: str | Path, rank: int, run_name: Optional[str] = None) -> Trackers:
     """Open the trackers ``cfg.logger`` selects, writing under ``run_dir`` by default.
 
     ``cfg`` is an :class:`~orchestrator.config.schema.OrchConfig` (or anything with a ``logger`` attribute of
     type :class:`~orchestrator.config.schema.LoggerConfig`). Only ``rank == 0`` opens anything; every other
     rank, and ``logger=none``, gets a no-op :class:`Trackers`. The run's name in each tracker is the orch run
-    id (:func:`run_name_of`). A backend whose package is missing raises UserError here, naming the
+    id (``run_name``, else :func:`run_name_of`). A backend whose package is missing raises UserError here, naming the
     extra to install (config validation says the same before a launch gets this far).
     """
     logger_cfg = getattr(cfg, "logger", None)
     if rank != 0 or logger_cfg is None:
         return Trackers()
     run_dir = Path(run_dir)
-    run_name = run_name_of(cfg, run_dir)
+    run_name = run_name or run_name_of(cfg, run_dir)
     opened: dict[str, Tracker] = {}
     try:
         for name in selected(logger_cfg):
@@ -180,6 +190,18 @@ def flatten_config(config: Any, prefix: str = "") -> dict[str, str]:
         else:
             out[path] = "" if value is None else URL_PASSWORD.sub(r"\1***@", str(value))
     return out
+
+
+EMPTY_VALUES = ("", "{}", "[]", "None", "null")
+KUBERNETES_ENV = "KUBERNETES_SERVICE_HOST"  # set in every pod: a launch inside Kubernetes
+
+
+def relevant_params(params: Mapping[str, str]) -> dict[str, str]:
+    """The params worth a tracker's space: no empty values (an unset option says nothing), and no ``k8s.*`` keys
+    outside a Kubernetes pod (they only describe manifests a local or Ray launch never renders)."""
+    in_k8s = bool(os.environ.get(KUBERNETES_ENV))
+    return {k: v for k, v in params.items()
+            if v not in EMPTY_VALUES and (in_k8s or not (k == "k8s" or k.startswith("k8s.")))}
 
 
 def numeric_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:

@@ -52,6 +52,7 @@ class MLflowTracker:
             self.run_id = self._client.create_run(experiment_id, run_name=run_name,
                                                   tags={RUN_TAG: run_name}).info.run_id
             self._logged = {}
+        self._status = "FINISHED"
 
     def _find_run(self, experiment_id: str, run_name: str):
         if "'" in run_name:
@@ -77,8 +78,16 @@ class MLflowTracker:
         now = int(time.time() * 1000)
         self._client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
 
+    def log_summary(self, step: int, metrics: dict[str, float], files: list[Path], status: str) -> None:
+        """Final metrics at the last step, the files as artifacts, and the run's end as MLflow's status (FAILED,
+        KILLED for a run stopped or preempted: ``orch resume`` goes on with it)."""
+        self.log_metrics(step, metrics)
+        for path in files:
+            self._client.log_artifact(self.run_id, str(path))
+        self._status = {"succeeded": "FINISHED", "failed": "FAILED"}.get(status, "KILLED")
+
     def close(self) -> None:
-        self._client.set_terminated(self.run_id, "FINISHED")
+        self._client.set_terminated(self.run_id, self._status)
 
 
 def open(settings: Any, run_dir: Path, run_name: str) -> MLflowTracker:
