@@ -25,23 +25,25 @@ def run_ranks(world: int, store_dir: str, *phases: dict) -> list[dict]:
     return json.load(open(f"{store_dir}/rank0.json"))
 
 
+def digest(flat: dict) -> str:
+    """sha256 over a flat state dict's keys and tensor bytes, in key order."""
+    h = hashlib.sha256()
+    for k in sorted(flat):
+        v = flat[k]
+        h.update(k.encode())
+        if isinstance(v, torch.Tensor):
+            v = v.full_tensor() if hasattr(v, "full_tensor") else v
+            h.update(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def full_hashes(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, str]:
     """sha256 of the full (unsharded) model and optimizer tensors, by FQN: equal only when bit-identical."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    msd, osd = get_state_dict(model, [optim], options=StateDictOptions(full_state_dict=True))
-
-    def digest(flat: dict) -> str:
-        h = hashlib.sha256()
-        for k in sorted(flat):
-            v = flat[k]
-            h.update(k.encode())
-            if isinstance(v, torch.Tensor):
-                v = v.full_tensor() if hasattr(v, "full_tensor") else v
-                h.update(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
-
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    msd, osd = get_state_dict(model, [optim], options=StateDictOptions(full_state_dict=True))
 
     return {"model": digest(msd), "optim": digest(flatten_state_dict(osd)[0])}
 

@@ -426,8 +426,11 @@ def test_ckpt_bench_smoke(tmp_path):
 
     out = tmp_path / "bench.json"
     result = main_ckpt_bench(str(out), size_mb=1)
-    assert set(result) == {"sync_stall_s", "async_stall_s", "ratio", "state_mb"}
+    assert set(result) == {"sync_stall_s", "async_stall_s", "ratio", "state_mb", "dcp_sync_stall_s",
+                           "dcp_async_stall_s", "dcp_async_over_dcp_sync", "dcp_async_over_rank0_async",
+                           "dcp_sync_over_rank0_sync"}
     assert 0.5 < result["state_mb"] < 2 and result["sync_stall_s"] > 0 and result["async_stall_s"] > 0
+    assert result["dcp_sync_stall_s"] > 0 and result["dcp_async_stall_s"] > 0
     assert out.read_text().startswith("{")
 
 

@@ -11,8 +11,10 @@ import os
 import pytest
 import torch
 
-from dcp_ranks import run_ranks
-from orchestrator.checkpoint import CheckpointManager, step_dirname
+from dcp_ranks import digest, run_ranks
+from orchestrator.checkpoint import CheckpointManager, format_checkpoint_list, step_dirname
+from orchestrator.checkpoint.export import export_weights
+from orchestrator.checkpoint.inspect import inspect_checkpoint
 from orchestrator.config.schema import CheckpointConfig
 from orchestrator.elastic.checkpoints import SessionCheckpoints
 from orchestrator.errors import CheckpointError
@@ -20,6 +22,7 @@ from orchestrator.runtime.distributed import DistContext
 from orchestrator.runtime.state import Progress, TrainingState, params_sha256
 
 LONE = DistContext(0, 1, 0, 1, 0, 0)
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # no_dist, on purpose
 
 
 def lone_session(url: str, engine: str = "dcp", seed: int = 0, out: int = 2,
@@ -67,6 +70,17 @@ def test_lone_process_round_trip_and_layout(tmp_path, async_save):
     assert params_sha256(fresh.components["model"]) == expected
     assert fresh.components["sched"].get_last_lr() == lr and fresh.progress.step == 3
     assert fresh.components["optim"].param_groups[0]["lr"] == lr[0]
+    listing = format_checkpoint_list(url).splitlines()
+    assert listing[1].split()[-2:] == ["engine", "world_size"] and listing[2].split()[-2:] == ["dcp", "1"]
+    text, problem = inspect_checkpoint(url)
+    assert problem is None and "engine: dcp  world_size: 1  DCP shards: 1 (+ .metadata)" in text
+    out = str(tmp_path / "model.safetensors")
+    assert export_weights(url, out) == (3, 4)
+    from safetensors.torch import load_file
+
+    exported = load_file(out)
+    assert {k: v.tolist() for k, v in exported.items()} == {
+        k: v.tolist() for k, v in fresh.components["model"].state_dict().items()}
 
 
 @pytest.mark.timeout(120)
@@ -131,6 +145,11 @@ def test_fsdp2_reshards_2_to_3_to_1_and_ddp_to_fsdp2(tmp_path):
             assert after["restored"] == 2 and after["loaded"] == before["saved"]["2"], world
             loaded = next(e for e in after["events"] if e["event"] == "checkpoint_loaded")
             assert loaded["world_size"] == world and loaded["saved_world_size"] == 2
+    from safetensors.torch import load_file
+
+    for url, before in ((fsdp, saved[0]), (ddp, saved[1])):  # consolidated in one process, no process group
+        export_weights(url, str(tmp_path / "model.safetensors"), step=2)
+        assert digest(load_file(str(tmp_path / "model.safetensors"))) == before["saved"]["2"]["model"]
 
 
 @pytest.mark.timeout(120)

@@ -51,6 +51,9 @@ from .storage import step_dirname
 
 PLAIN_PAYLOAD = "dcp_plain"
 """The non-tensor leaves of the DCP components' state (flattened key -> value): rank 0's, as JSON."""
+# One process without a process group is what no_dist is for; DCP warns each time (from its writer thread too).
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
 COMMIT_TIMEOUT = datetime.timedelta(seconds=120)  # a background commit waiting on a rank that is gone gives up
 
 
@@ -143,9 +146,7 @@ class DcpEngine:
             return stall_s
         error = None
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
-                dcp.save(tensors, storage_writer=writer, no_dist=not grouped)
+            dcp.save(tensors, storage_writer=writer, no_dist=not grouped)
         except Exception as e:  # noqa: BLE001 - gathered below: every rank learns that nothing commits
             error = f"rank {self.ctx.rank}: {type(e).__name__}: {e}"
         failure = self._commit(step, dirname, error, payloads, metadata, None, time.perf_counter() - t0, t0,
@@ -269,9 +270,7 @@ class DcpEngine:
         self._check(index, state, step)
         tensors, plain, mapping = self._current()
         grouped = dist.is_available() and dist.is_initialized()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dcp.load(tensors, storage_reader=SafeReader(url, head["index_sha256"]), no_dist=not grouped)
+        dcp.load(tensors, storage_reader=SafeReader(url, head["index_sha256"]), no_dist=not grouped)
         saved_plain = state.get(PLAIN_PAYLOAD, {})
         full = unflatten_state_dict({**tensors, **{k: saved_plain.get(k, v) for k, v in plain.items()}}, mapping)
         for name, module, optims in self._pairs():

@@ -8,7 +8,8 @@ import json
 from orchestrator.errors import UserError
 
 from .manager import CheckpointManager
-from .manifest import MANIFEST_NAME, ManifestError, check_checksum, parse_manifest
+from .dcp_metadata import METADATA_NAME, SHARD_SUFFIX
+from .manifest import DCP_FORMAT, MANIFEST_NAME, ManifestError, check_checksum, parse_manifest
 from .storage import STEP_DIR_RE, step_dirname
 
 
@@ -21,7 +22,7 @@ def format_checkpoint_list(url: str) -> str:
     infos = CheckpointManager(url).list()
     if not infos:
         return f"no checkpoints under {url}"
-    rows = [("step", "valid", "size", "created", "config_fingerprint")]
+    rows = [("step", "valid", "size", "created", "config_fingerprint", "engine", "world_size")]
     for i in infos:
         rows.append((
             str(i.step),
@@ -29,6 +30,8 @@ def format_checkpoint_list(url: str) -> str:
             _human_bytes(i.total_bytes),
             _fmt_time(i.created_t),
             str(i.metadata.get("config_fingerprint") or "-"),
+            engine_of(i.format),
+            str(i.metadata.get("world_size") or "-"),
         ))
     return f"checkpoints under {url}\n" + _table(rows)
 
@@ -79,6 +82,9 @@ def inspect_checkpoint(url_or_step_url: str) -> tuple[str, str | None]:
         f"step: {manifest.step}  format_version: {manifest.format_version}  format: {manifest.format}  "
         f"created: {_fmt_time(manifest.created_t)}  valid: {'yes' if problem is None else f'no ({problem})'}"
     )
+    shards = sorted(f for f in manifest.files if f.endswith(SHARD_SUFFIX))
+    lines.append(f"engine: {engine_of(manifest.format)}  world_size: {manifest.metadata.get('world_size', '-')}"
+                 + (f"  DCP shards: {len(shards)} (+ {METADATA_NAME})" if manifest.format == DCP_FORMAT else ""))
     if manifest.run_id is not None:
         resumed = manifest.resumed_from
         lines.append(f"run: {manifest.run_id}  lineage: {' > '.join(manifest.lineage)}  resumed from: "
@@ -87,6 +93,11 @@ def inspect_checkpoint(url_or_step_url: str) -> tuple[str, str | None]:
     lines.append("metadata:")
     lines.append(json.dumps(manifest.metadata, indent=2, sort_keys=True))
     return "\n".join(lines), problem
+
+
+def engine_of(fmt: str | None) -> str:
+    """The engine that wrote a checkpoint of manifest format ``fmt`` (``-``: no manifest)."""
+    return "-" if fmt is None else "dcp" if fmt == DCP_FORMAT else "rank0"
 
 
 def _split_step_url(url: str) -> tuple[str, int | None]:

@@ -77,6 +77,8 @@ class CheckpointInfo:
     created_t: float | None = None
     run_id: str | None = None
     lineage: tuple[str, ...] = ()
+    format: str | None = None
+    """The manifest's payload format (``dcp``: written by the DCP engine); None without a manifest."""
 
 
 @dataclass
@@ -491,7 +493,8 @@ class CheckpointManager:
             meta = manifest.metadata if manifest else {}
             created = manifest.created_t if manifest else None
             run_id, lineage = (manifest.run_id, manifest.lineage) if manifest else (None, ())
-            return CheckpointInfo(step, url, False, reason, total, meta, created, run_id, lineage), None
+            fmt = manifest.format if manifest else None
+            return CheckpointInfo(step, url, False, reason, total, meta, created, run_id, lineage, fmt), None
 
         if MANIFEST_NAME not in present:
             return invalid("no manifest.json (incomplete write)")
@@ -507,7 +510,7 @@ class CheckpointManager:
         if reason:
             return invalid(reason, manifest)
         info = CheckpointInfo(step, url, True, None, manifest.total_bytes, manifest.metadata, manifest.created_t,
-                              manifest.run_id, manifest.lineage)
+                              manifest.run_id, manifest.lineage, manifest.format)
         return info, manifest
 
     # -- load -------------------------------------------------------------------------------------
