@@ -194,14 +194,17 @@ def process_group(backend: str, timeout: timedelta):
 
 def _through_relay(opts: Any) -> Any:
     """``opts`` with its first handle's store (where all peers meet, under the quorum's own prefix) replaced by
-    this node's relay to the run's store: every peer, on any host, reaches the same store that way."""
+    this node's relay to the run's store: every peer, on any host, reaches the same store that way. Each group
+    rank's process group (rank i of every group) meets under a prefix of its own: with torchft's stores, one per
+    process group, the quorum's prefix was enough; in the one run's store, rank 0's and rank 1's groups of a
+    quorum would write the same keys and connect to each other's peers."""
     from torchft.process_group import ReconfigureOptions
 
     handles = list(opts.handles)
     first = json.loads(handles[0])
     if first.get("store") != ORCH_STORE:
         raise QuorumError(f"a peer's process group handle names a store of its own: {first.get('store')!r}")
-    first["store"] = os.environ[RUN_STORE_ENV]
+    first["store"] = f"{os.environ[RUN_STORE_ENV]}/ft-rank{int(os.environ.get('RANK', 0))}"
     handles[0] = json.dumps(first)
     changed = ReconfigureOptions()
     changed.uuid, changed.handles, changed.timeout = opts.uuid, handles, opts.timeout
