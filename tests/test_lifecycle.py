@@ -83,8 +83,8 @@ def test_detached_launch_survives_its_terminal_then_status_logs_stop_resume(tmp_
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr
     assert "run succeeded: 400 steps" in resumed.stdout
     record = json.loads((run_dir / "launch.json").read_text())
-    assert record["overrides"] == ["trainer.max_steps=400", *SLOW, "logger=[tensorboard,mlflow]",
-                                   "trainer.log_every=50"]  # recorded + extra
+    assert record["overrides"] == ["trainer.max_steps=400", SLOW[0], "+" + SLOW[1], "logger=[tensorboard,mlflow]",
+                                   "trainer.log_every=50"]  # recorded (on the recorded config) + extra
     assert (record["run_id"], record["attempt"]) == (run_id, 2), "the same run, launched a second time"
     os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
     from mlflow.tracking import MlflowClient
@@ -196,6 +196,42 @@ def test_the_index_finds_a_run_by_id_anywhere_and_lists_failed_ones_with_their_c
     assert table[row + 1].strip() == "root cause: rank 1: RuntimeError: CUDA out of memory"
     code, _, err = orch(capsys, "status", "no-such-run")
     assert code == 2 and "not found" in err and str(index) in err
+
+
+@pytest.mark.timeout(60)
+def test_resume_composes_the_recorded_config_without_the_preset_directory(tmp_path, capsys, monkeypatch):
+    """A run of a user preset (ORCH_CONF_PATH), resumed where that directory is not on the path any more: the
+    resume composes the run's own config.yaml, its recorded overrides and new ones still apply."""
+    from omegaconf import OmegaConf
+
+    from orchestrator.config.compose import CONF_PATH_ENV, compose_config
+    from orchestrator.launch_record import new_record, write_record
+    from orchestrator.lifecycle.control import resume_args
+    from orchestrator.newrun import write_config
+
+    user, run_dir = tmp_path / "myconf", tmp_path / "run"
+    (user / "optim").mkdir(parents=True)
+    (user / "mine.yaml").write_text("defaults:\n  - cpu_gloo\n  - _self_\npreset: mine\ntrainer:\n  max_steps: 9\n")
+    (user / "optim" / "fast.yaml").write_text("_target_: torch.optim.SGD\nlr: 0.5\n")
+    monkeypatch.setenv(CONF_PATH_ENV, str(user))
+    given = ["optim=fast", "logger=tensorboard", *SLOW, "trainer.log_every=3"]
+    ran = compose_config("mine", given)
+    write_config(ran, str(run_dir))
+    write_record(run_dir, new_record(str(run_dir), "mine-1", "mine", given, "foreground"))
+    monkeypatch.delenv(CONF_PATH_ENV)  # another shell: the preset directory is not on the path
+
+    preset, overrides, conf = resume_args("mine-1", ["trainer.max_steps=11"])
+    assert overrides == ["logger=tensorboard", SLOW[0], "+" + SLOW[1], "trainer.log_every=3", "trainer.max_steps=11",
+                         f"run.dir={run_dir.resolve()}", "run.id=mine-1"], "optim=fast is in config.yaml already"
+    monkeypatch.setenv(CONF_PATH_ENV, str(conf))
+    again = compose_config(preset, overrides)
+    assert (again.preset, again.trainer.max_steps, again.run.id) == ("mine", 11, "mine-1")
+    expected = OmegaConf.to_container(OmegaConf.structured(ran))
+    expected["trainer"]["max_steps"], expected["run"] = 11, OmegaConf.to_container(OmegaConf.structured(again))["run"]
+    assert OmegaConf.to_container(OmegaConf.structured(again)) == expected, "what ran, plus the new override"
+    monkeypatch.delenv(CONF_PATH_ENV)
+    code, _, err = orch(capsys, "resume", "mine-1", "optim=sgd")
+    assert code == 2 and "optim=sgd" in err and "optim.KEY=VALUE" in err
 
 
 @pytest.mark.timeout(120)

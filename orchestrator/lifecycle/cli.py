@@ -118,11 +118,24 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
+    import os
+
+    from orchestrator.config.compose import CONF_PATH_ENV
     from orchestrator.lifecycle.control import resume_args
 
-    preset, overrides = resume_args(args.run, args.overrides)
-    print(f"resuming: orch launch conf={preset} {' '.join(overrides)}", flush=True)
-    return run_launch(preset, overrides, detach=args.detach, command_t=getattr(args, "command_t", None))
+    preset, overrides, conf = resume_args(args.run, args.overrides)
+    where = f" (conf={preset} is the run's own config.yaml: {conf})" if conf else ""
+    print(f"resuming: orch launch conf={preset} {' '.join(overrides)}{where}", flush=True)
+    before = os.environ.get(CONF_PATH_ENV)
+    if conf is not None:  # for this launch (and a detached one's process) only
+        os.environ[CONF_PATH_ENV] = os.pathsep.join(p for p in (str(conf), before) if p)
+    try:
+        return run_launch(preset, overrides, detach=args.detach, command_t=getattr(args, "command_t", None))
+    finally:
+        if before is None:
+            os.environ.pop(CONF_PATH_ENV, None)
+        else:
+            os.environ[CONF_PATH_ENV] = before
 
 
 def add_lifecycle_parsers(sub) -> None:

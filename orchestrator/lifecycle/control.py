@@ -95,22 +95,84 @@ def stop_run(ref: str, timeout_s: float = 300.0) -> dict[str, Any]:
             "run_dir": str(run_dir), "run_id": view.run_id}
 
 
-def resume_args(ref: str, extra: Sequence[str]) -> tuple[str, list[str]]:
-    """The preset and overrides to launch RUN again with: the recorded ones, then ``extra``, then its run dir.
-    A run still running, or one launched from Python without a command line, is refused."""
+RECORDED_CONF = ".orch-conf"
+"""Under the run dir: the run's own config.yaml as a preset (``resume-<run id>.yaml``), which ``orch resume``
+composes from."""
+
+
+def resume_args(ref: str, extra: Sequence[str]) -> tuple[str, list[str], Optional[Path]]:
+    """What to launch RUN again with: a preset, the overrides (the recorded ones, then ``extra``, then its run dir and
+    run id) and the directory holding that preset. The preset is the run's own ``config.yaml``
+    (:func:`recorded_preset`): exactly what ran, with no need of the preset directory it came from; a run dir
+    without one (an older orch) gets its recorded preset, composed again. A run still running is refused."""
     from orchestrator.config.compose import split_preset
     from orchestrator.launch_record import merge_overrides
+    from orchestrator.rundir import CONFIG_FILE
 
     run_dir, record = own_run(ref, "resume")
     if status_of(run_dir, record).state in LIVE:
         raise UserError(f"run {ref!r} is still running. Fix: `orch stop {ref}` first, or `orch status {ref}`")
-    if record.get("overrides") is None:
-        raise UserError(f"run {ref!r} was launched from Python with a composed config: its overrides are not "
-                        f"recorded. Fix: launch it again with orch launch conf=... run.dir={run_dir}")
     if any(t.startswith("conf=") for t in extra):
         preset, extra = split_preset(extra)
         if preset != record["preset"]:
             raise UserError(f"conf={preset}: run {ref!r} was launched with conf={record['preset']}. Fix: leave conf= out")
-    overrides = merge_overrides(record["overrides"], [o for o in extra if not o.startswith(("run.dir=", "run.id="))])
-    # The same run id: the tracker runs (MLflow's, W&B's) and the index go on with it.
-    return record["preset"], overrides + [f"run.dir={run_dir}", f"run.id={record['run_id']}"]
+    extra = [o for o in extra if not o.startswith(("run.dir=", "run.id="))]
+    handles = [f"run.dir={run_dir}", f"run.id={record['run_id']}"]  # the same run id: its tracker runs go on
+    if not (run_dir / CONFIG_FILE).is_file() or record.get("ray_job"):  # a Ray job composes on its cluster
+        if record.get("overrides") is None:
+            raise UserError(f"run {ref!r} was launched from Python and has no {CONFIG_FILE}: nothing says what it "
+                            f"ran. Fix: launch it again with orch launch conf=... run.dir={run_dir}")
+        return record["preset"], merge_overrides(record["overrides"], extra) + handles, None
+    recorded = record.get("overrides") or []
+    # A group choice of the command line is made again where its option is still found (then the override applies,
+    # and stays recorded); one from a preset directory that is gone is in config.yaml's values already.
+    chosen = {_key(o): o.split("=", 1)[1] for o in recorded if _is_group(o) and _findable(o)}
+    for o in extra:
+        if _is_group(o) and chosen.get(_key(o)) != o.split("=", 1)[1]:
+            raise UserError(f"{o}: run {ref!r} resumes from its recorded config.yaml, where another config group "
+                            f"option cannot be chosen. Fix: set the group's keys instead ({_key(o)}.KEY=VALUE), or "
+                            "launch a new run")
+    kept = [o for o in recorded if not o.startswith("~")]  # a recorded deletion is done in config.yaml
+    overrides = [_on_recorded(o) for o in merge_overrides(kept, extra) if not _is_group(o) or _key(o) in chosen]
+    return f"resume-{record['run_id']}", overrides + handles, recorded_preset(run_dir, record["run_id"], chosen)
+
+
+def recorded_preset(run_dir: Path, run_id: str, groups: dict[str, str]) -> Path:
+    """A preset directory holding ``resume-<run id>.yaml``: the run's resolved ``config.yaml`` over orch's typed
+    schema, after the config groups its command line chose (so those overrides still apply; ``config.yaml``, last,
+    holds every value as it ran: a recorded ``key=value`` sets what it already holds)."""
+    from orchestrator.rundir import CONFIG_FILE
+
+    directory = run_dir / RECORDED_CONF
+    directory.mkdir(exist_ok=True)
+    chosen = "".join(f"  - {key}: {value}\n" for key, value in groups.items())
+    (directory / f"resume-{run_id}.yaml").write_text(
+        f"# orch resume: run {run_id}'s config.yaml as its preset\ndefaults:\n  - _orch_schema_typed\n{chosen}"
+        f"  - _self_\n" + (run_dir / CONFIG_FILE).read_text())
+    return directory
+
+
+def _on_recorded(override: str) -> str:
+    """``override`` as it applies on the recorded config, which holds what it added already: a group choice
+    plainly (it is in the defaults list), ``+key=value`` as ``++key=value`` (set, added or not)."""
+    if _is_group(override):
+        return override.lstrip("+")
+    return "+" + override if override.startswith("+") and not override.startswith("++") else override
+
+
+def _key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def _is_group(override: str) -> bool:
+    from orchestrator.config.compose import list_groups
+
+    return "=" in override and _key(override) in list_groups()
+
+
+def _findable(override: str) -> bool:
+    """Every option a group override names (``logger=[tensorboard,mlflow]``: both) is found now."""
+    from orchestrator.config.compose import list_groups
+
+    options = override.split("=", 1)[1].strip("[]").split(",")
+    return all(o.strip() in list_groups()[_key(override)] for o in options)

@@ -24,7 +24,7 @@ def launch_detached(preset: str, overrides: Sequence[str], mode: str = "detached
     cfg, run_id = check_launchable(preset, overrides)  # the background launch runs here: its store host too
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    record = new_record(str(run_dir), run_id, preset, overrides, mode)
+    record = new_record(str(run_dir), run_id, cfg.preset, overrides, mode)  # a resume's preset is the run's own
     write_record(run_dir, record)  # before the child starts: it joins this record instead of writing its own
     argv = [sys.executable, "-m", "orchestrator.cli", "launch", f"conf={preset}", *overrides, f"run.dir={run_dir}",
             f"run.id={run_id}"]
