@@ -153,6 +153,8 @@ def cmd_report(args: argparse.Namespace) -> int:
             effs = ", ".join(f"{v:.2f} at world size {k}" for k, v in report["efficiency"]["by_world_size"].items())
             print(f"  scaling efficiency {effs} (against world size {base['world_size']} of {base['run_dir']})")
     print("written: " + ", ".join(report["files"]))
+    for name, why in (report.get("plots_skipped") or {}).items():
+        print(f"not drawn: {name}: {why}")
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,29 @@ def test_report_of_a_bench_scaling_dir_plots_throughput_against_world_size(tmp_p
     assert "| 2 | 800.0 | 0.80 | 0.200 |" in (tmp_path / "report.md").read_text()
     assert json.loads((tmp_path / "report.json").read_text())["kind"] == "scaling"
     _assert_png_with_content(tmp_path / "throughput_vs_world_size.png")
+
+
+@pytest.mark.timeout(60)
+def test_report_names_the_plots_it_could_not_draw_and_why(tmp_path, capsys, monkeypatch):
+    from orchestrator.events import LaunchStarted, RunFinished
+    from orchestrator.report import report
+    from orchestrator.rundir import EventLog, append_jsonl
+
+    events = EventLog(str(tmp_path))
+    events.write(LaunchStarted(preset="cpu_gloo", run_id="r", launcher="local", nodes=1, rendezvous_endpoint=None))
+    for step in (2, 4):
+        append_jsonl(tmp_path / "metrics.jsonl", {"t": time.time(), "step": step, "loss": 5.0 - step, "lr": 1e-3,
+                                                   "world_size": 1, "samples_per_s": 10.0, "step_time_s": 0.1})
+    events.write(RunFinished(status="succeeded", attempts=1, node_exit_codes={"0": 0}))
+    done = orch_here(capsys, "report", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "not drawn: throughput_vs_world_size.png: the run trained at one world size only" in done.stdout
+    assert "not drawn: loss_throughput.png" not in done.stdout
+    assert "throughput_vs_world_size.png not drawn: the run trained at one world size only" in (
+        tmp_path / "report.md").read_text()
+    monkeypatch.setattr(report, "plots_available", lambda: False)
+    done = orch_here(capsys, "report", str(tmp_path))
+    assert "written: " in done.stdout and "not drawn: loss_throughput.png: matplotlib is not installed" in done.stdout
 
 
 @pytest.mark.timeout(60)

@@ -114,17 +114,28 @@ def plots_available() -> bool:
     return True
 
 
-NO_PLOTS = "plots skipped: matplotlib is not installed (pip install matplotlib)"
+NO_MATPLOTLIB = "matplotlib is not installed (pip install matplotlib)"
+RUN_PLOTS = ("loss_throughput.png", "step_time.png", "throughput_vs_world_size.png", "goodput.png")
 
 
 def write_plots(report: dict[str, Any], run_dir: Path, metrics: list[dict[str, Any]], t0: float) -> list[str]:
-    """Draw every plot the report has data for; returns the file names written."""
+    """Draw every plot the report has data for; returns the file names written. The others are named in
+    ``report["plots_skipped"]`` (``{file: why}``)."""
     from orchestrator.report import plots
 
     if not plots_available():
-        report["plots_skipped"] = NO_PLOTS
+        report["plots_skipped"] = {name: NO_MATPLOTLIB for name in RUN_PLOTS}
         return []
     written = []
+    report["plots_skipped"] = skipped = {}
+    if not metrics:
+        skipped["loss_throughput.png"] = "no metrics records in metrics.jsonl"
+    if not report["step_time_by_world_size"]:
+        skipped["step_time.png"] = "no step-time breakdown recorded (the built-in trainer and the elastic API record it)"
+    if len(report["throughput"]["by_world_size"]) <= 1:
+        skipped["throughput_vs_world_size.png"] = "the run trained at one world size only"
+    if not report.get("goodput"):
+        skipped["goodput.png"] = "no goodput (the run has no run_finished event)"
     if metrics:
         changes = [(c["t"], c["world_size"]) for c in report["world_size_changes"]]
         plots.plot_timeline(metrics, report["markers"], changes, t0, run_dir / "loss_throughput.png",
@@ -165,7 +176,7 @@ def write_scaling_report(bench_dir: Path) -> dict[str, Any]:
     scaling = json.loads((bench_dir / SCALING_FILE).read_text())
     report = {"kind": "scaling", "run_dir": str(bench_dir), "generated_t": time.time(), **scaling, "plots": []}
     if not plots_available():
-        report["plots_skipped"] = NO_PLOTS
+        report["plots_skipped"] = {"throughput_vs_world_size.png": NO_MATPLOTLIB}
     elif scaling.get("rows"):
         plots.plot_scaling(scaling["rows"], bench_dir / "throughput_vs_world_size.png")
         report["plots"] = ["throughput_vs_world_size.png"]
@@ -174,7 +185,7 @@ def write_scaling_report(bench_dir: Path) -> dict[str, Any]:
 
 def _write(run_dir: Path, report: dict[str, Any], markdown: str) -> dict[str, Any]:
     if report.get("plots_skipped"):
-        markdown += f"\n_{report['plots_skipped']}_\n"
+        markdown += "\n" + "".join(f"_{name} not drawn: {why}_  \n" for name, why in report["plots_skipped"].items())
     (run_dir / REPORT_JSON).write_text(json.dumps(report, indent=2, default=str) + "\n")
     (run_dir / REPORT_MD).write_text(markdown)
     report["files"] = [str(run_dir / name) for name in (REPORT_MD, REPORT_JSON, *report["plots"])]
