@@ -168,10 +168,14 @@ def broadcast_from_rank0(model: nn.Module) -> None:
 
 @contextlib.contextmanager
 def _gradient_sync_off(model: nn.Module) -> Iterator[None]:
-    """No reduce-scatter in these backward passes: the unsharded gradients accumulate on each rank (more memory
-    for the length of the accumulation, one reduce-scatter per step instead of one per micro-batch)."""
+    """No reduce-scatter in these backward passes, and the parameters stay gathered after them: the unsharded
+    gradients accumulate on each rank and the next micro-batch's forward needs no all-gather (more memory for
+    the length of the accumulation; one reduce-scatter per step, and with ``reshard_after_forward=false`` one
+    all-gather, instead of one per micro-batch). The last micro-batch's backward, outside, reshards."""
     model.set_requires_gradient_sync(False)
+    model.set_reshard_after_backward(False)
     try:
         yield
     finally:
         model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
