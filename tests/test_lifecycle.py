@@ -256,7 +256,7 @@ def test_cfg_job_version_hydra_keys_and_user_preset_dirs(tmp_path, capsys, monke
     (user / "optim" / "fast.yaml").write_text("_target_: torch.optim.SGD\nlr: 0.5\n")
     monkeypatch.setenv("ORCH_CONF_PATH", str(user))
     _, helped, _ = orch(capsys, "launch", "--help")
-    assert "bert8gpu, cpu_elastic, cpu_gloo, mine" in helped and "adamw, fast, sgd" in helped
+    assert "bert8gpu, bert8gpu_fsdp, cpu_elastic, cpu_fsdp, cpu_gloo, mine" in helped and "adamw, fast, sgd" in helped
     code, out, err = orch(capsys, "launch", "conf=mine", "optim=fast", "--cfg", "job")
     assert code == 0 and "max_steps: 9" in out and "torch.optim.SGD" in out, err
     code, out, err = orch(capsys, "launch", "conf=cpu_gloo", "optim=fast", "--cfg", "job")
