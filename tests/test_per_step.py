@@ -47,6 +47,19 @@ def audit_samples(run_dir: Path, max_steps: int, seed: int = 0) -> dict[int, lis
     return ids_by_step
 
 
+def kill_second_group(run_dir: Path, after_step: int) -> float:
+    """Once both replica groups are in the quorum and a step past ``after_step`` is logged, SIGKILL node 1's
+    agent and workers (``orch chaos kill-node``); returns when it was killed."""
+    wait_for(lambda: any(e["event"] == "quorum_changed" and e["replicas"] == 2
+                         for e in read_jsonl(run_dir / "events.jsonl")), 180, "both replica groups in the quorum")
+    wait_for(lambda: any(m["step"] >= after_step for m in read_jsonl(run_dir / "metrics.jsonl")), 120,
+             f"step {after_step}")
+    killed = time.time()
+    kill = run_orch("chaos", "kill-node", str(run_dir), "--node", "1", timeout=30)
+    assert kill.returncode == 0, kill.stderr
+    return killed
+
+
 @needs_torchft
 @pytest.mark.slow
 @pytest.mark.timeout(420)
@@ -60,12 +73,7 @@ def test_killed_node_returns_and_heals_from_a_peer_with_every_sample_once(tmp_pa
                       env={"ORCH_RUN_SECRET": SECRET})
     try:
         events = lambda: read_jsonl(run_dir / "events.jsonl")  # noqa: E731
-        wait_for(lambda: any(e["event"] == "quorum_changed" and e["replicas"] == 2 for e in events()), 180,
-                 "both replica groups in the quorum")
-        wait_for(lambda: any(m["step"] >= 40 for m in read_jsonl(run_dir / "metrics.jsonl")), 120, "step 40")
-        killed = time.time()
-        kill = run_orch("chaos", "kill-node", str(run_dir), "--node", "1", timeout=30)
-        assert kill.returncode == 0, kill.stderr
+        killed = kill_second_group(run_dir, after_step=40)
         # The returning node healed and is in the quorum again; then node 0 (the survivor) gets a notice: it
         # leaves at the next step boundary with nothing to save, node 1 holding the state.
         back = wait_for(lambda: [e for e in events() if e["event"] == "replica_healed" and e["node"] == 1

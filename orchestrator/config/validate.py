@@ -12,6 +12,8 @@ from orchestrator.config.target_args import check_target_args
 from orchestrator.config.values import check_numbers
 from orchestrator.errors import ConfigError
 
+# What a per_step replica group may be: every group alike, so rank i of one heals from rank i of another.
+PER_STEP_STRATEGIES = ("ddp", "hsdp")
 # Arguments the runtime supplies itself when instantiating; they must not be required in config.
 RUNTIME_ARGS = {"optim": ("params",), "scheduler": ("optimizer",), "data.dataset": (), "model": ()}
 
@@ -73,6 +75,16 @@ def _check_per_step(cfg: OrchConfig) -> None:
         raise ConfigError("data.num_workers", cfg.data.num_workers, "use data.num_workers=0 with "
                           "fault_tolerance.mode=per_step",
                           "prefetches batches before the step's quorum says how many replica groups share it")
+    # Each node is a replica group of its own world; rank i heals from rank i of a live group, so a group's
+    # layout must be one that every group has alike: whole (ddp) or sharded over its own ranks (hsdp).
+    strategy = cfg.parallelism.strategy
+    if strategy not in PER_STEP_STRATEGIES:
+        raise ConfigError("parallelism.strategy", strategy, "use parallelism.strategy=hsdp (sharded within each "
+                          "node, replicated across the quorum's groups) or ddp with fault_tolerance.mode=per_step",
+                          "shards over every node's ranks, but under per_step each node is a replica group of its "
+                          "own that heals shard by shard from the same rank of a live group"
+                          if strategy == "fsdp2" else "lays out the state in a way per_step cannot heal shard by "
+                          "shard (it heals ddp and hsdp replica groups)")
 
 
 def _check_loggers(cfg: OrchConfig) -> None:

@@ -28,13 +28,13 @@ import torch
 from orchestrator.config.schema import OrchConfig
 from orchestrator.ft import REPLICA_ENV
 from orchestrator.ft.coordination import install, process_group
+from orchestrator.ft.shards import LAYOUT_KEY, from_local, local, local_sha256, mesh_of, to_local
 from orchestrator.events import (Event, QuorumChanged, ReplicaHealed, ReplicaLeft, ReplicaStarted, StepDiscarded,
                                  StoreClientRefused)
 from orchestrator.ft.steps import Emit, Membership, RestartSteps, StepProtocol, send
 from orchestrator.ft.transport import PeerStateTransport
 from orchestrator.runtime.distributed import DistContext
-from orchestrator.runtime.state import (Record, RngState, Stateful, TrainingState, params_sha256, rng_state,
-                                        set_rng_state)
+from orchestrator.runtime.state import Record, RngState, Stateful, TrainingState, rng_state, set_rng_state
 
 # Where a replica group's loop spends time besides committed steps (metrics records' ``ft``; goodput's badput).
 WINDOW_KEYS = ("quorum_wait_s", "healing_s", "discarded_s")
@@ -145,19 +145,27 @@ class ReplicaGroup(_ReplicaRecords):
         return records
 
     def _state_dict(self) -> dict[str, Any]:
-        return self.state.state_dict(self.ctx.world_size, self._records())
+        """This rank's state for the same rank of a healing group: its own shards under FSDP2 (plain local
+        tensors and their layout, :mod:`~orchestrator.ft.shards`), the whole state under DDP."""
+        sd, layout = to_local(self.state.state_dict(self.ctx.world_size, self._records()))
+        return {**sd, LAYOUT_KEY: layout}
 
     def _load(self, sd: dict[str, Any]) -> None:
-        self.state.load_state_dict(sd, self._records())
+        layout = sd.pop(LAYOUT_KEY, None)
+        self.state.load_state_dict(from_local(sd, layout, mesh_of(self._modules())), self._records())
         self._loaded_at = time.perf_counter()
         model = self.state.first_model()
         self.healed_from = {**self._healed_source, "step": self.state.progress.step,
-                            "loaded_sha256": params_sha256(model) if model is not None else None}
+                            "loaded_sha256": local_sha256(model) if model is not None else None}
+
+    def _modules(self) -> list[torch.nn.Module]:
+        return [m for m in self.state.components.values() if isinstance(m, torch.nn.Module)]
 
     def _source(self) -> dict[str, Any]:
+        """Where the state comes from; its hash is over this rank's shards (compared with the same rank's)."""
         model = self.state.first_model()
         return {"replica_id": self.replica_id, "node": self.ctx.node,
-                "params_sha256": params_sha256(model) if model is not None else None}
+                "params_sha256": local_sha256(model) if model is not None else None}
 
     def _loaded_source(self, source: dict[str, Any]) -> None:
         self._healed_source = source
@@ -233,29 +241,30 @@ class ReplicaGroup(_ReplicaRecords):
                 self.state.progress.samples_consumed)
 
     def sync_gradients(self) -> None:
-        """Average the gradients across the quorum's groups, once per step (a no-op after the first call)."""
+        """Average the gradients across the quorum's groups, once per step (a no-op after the first call).
+        Each rank all-reduces its own part with the same rank of every other group: the whole gradient under
+        DDP, its gradient shards under FSDP2 (every group shards alike, so shard i meets shard i)."""
         if self._synced:
             return
         self._synced = True
         self.begin_step()
         if self._params is None:
-            modules = [m for m in self.state.components.values() if isinstance(m, torch.nn.Module)]
-            self._params = [p for m in modules for p in m.parameters() if p.requires_grad]
+            self._params = [p for m in self._modules() for p in m.parameters() if p.requires_grad]
         params = self._params
         if not params:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.manager.allreduce(flat).wait()
-        offset = 0
-        for p, g in zip(params, grads):
-            n = g.numel()
-            synced = flat[offset:offset + n].view_as(g)
-            if p.grad is None:
-                p.grad = synced.clone()
-            else:
-                p.grad.copy_(synced)
-            offset += n
+        with torch.no_grad():
+            for p in params:
+                if p.grad is None:  # unused this step: it still takes the others' average
+                    p.grad = torch.zeros_like(p)
+            grads = [local(p.grad) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self.manager.allreduce(flat).wait()
+            offset = 0
+            for g in grads:
+                n = g.numel()
+                g.copy_(flat[offset:offset + n].view_as(g))
+                offset += n
 
     def commit(self) -> bool:
         """Whether every participant finished this step (decided once; the optimizer steps only then)."""
