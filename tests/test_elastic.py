@@ -238,3 +238,26 @@ def test_the_example_survives_a_preemption_with_zero_lost_steps(tmp_path):
     assert [e["node"] for e in seen if e["event"] == "node_preempted"] == [1]
     report = run_orch("report", str(run_dir), timeout=60)
     assert report.returncode == 0, report.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_loop_that_reports_no_samples_shows_no_throughput_rather_than_zero(tmp_path, capsys):
+    """An accelerate-style loop calls step_done(loss=...) only: its records, progress lines and summary leave
+    samples/s out (None), never 0.0."""
+    from orchestrator.report.summary import build_summary
+
+    model, optim = build()
+    with session_at(tmp_path, every_n_steps=0) as session:
+        session.register(model=model, optim=optim)
+        session.restore()
+        for _ in session.steps():
+            loss = model(torch.ones(2, 4)).pow(2).mean()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            session.step_done(loss=loss)
+    records = read_jsonl(tmp_path / METRICS_FILE)
+    assert [r["step"] for r in records] == [2, 4, 6] and all(r["samples_per_s"] is None for r in records)
+    printed = capsys.readouterr().out
+    assert "[rank0] step 6/6 loss " in printed and "samples/s" not in printed, printed
+    assert build_summary(tmp_path)["samples_per_s"] is None

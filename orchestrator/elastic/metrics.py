@@ -91,7 +91,9 @@ class MetricsLog:
         if not self.ctx.is_main:
             return None
         record = {"t": time.time(), "step": step, "loss": self.last_loss if loss is not None else None,
-                  "lr": None, "world_size": self.ctx.job_world_size, "samples_per_s": window_samples / window_s,
+                  "lr": None, "world_size": self.ctx.job_world_size,
+                  # samples the script never reported (step_done without samples=) are no throughput of 0
+                  "samples_per_s": window_samples / window_s if window_samples and window_s > 0 else None,
                   "step_time_s": window_s / window_steps, "last_step_time_s": step_time_s,
                   "restart_count": self.ctx.restart_count}
         known = fields()
@@ -129,5 +131,5 @@ def flatten(record: dict[str, Any]) -> dict[str, Any]:
 def progress_line(record: dict[str, Any], rank: int, max_steps: int) -> str:
     loss = f" loss {record['loss']:.4f}" if record["loss"] is not None else ""
     lr = f" lr {record['lr']:.2e}" if record["lr"] is not None else ""
-    return (f"[rank{rank}] step {record['step']}/{max_steps}{loss}{lr} {record['samples_per_s']:.1f} samples/s "
-            f"world {record['world_size']}")
+    rate = f" {record['samples_per_s']:.1f} samples/s" if record.get("samples_per_s") is not None else ""
+    return f"[rank{rank}] step {record['step']}/{max_steps}{loss}{lr}{rate} world {record['world_size']}"

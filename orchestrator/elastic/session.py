@@ -246,7 +246,8 @@ class Session:
         """The step boundary, on every rank: count the step, log metrics (every ``log_every`` steps: ``loss`` and
         ``metrics``, floats or one-element tensors, averaged over ranks), agree on a preemption notice (then
         save and raise :class:`PreemptedExit`), save periodically. ``samples``: global samples this step trained
-        on (default: the global batch of :meth:`global_batch_sampler`; else 0, and samples/s reads 0)."""
+        on (default: the global batch of :meth:`global_batch_sampler`; else none, and the record's
+        samples/s is None: no throughput shown, never 0)."""
         if not self._restored:
             raise RuntimeError("session.step_done() before restore(): a resumed run would train its steps again. Fix: "
                                "call session.restore() before the first step, or iterate session.steps()")

@@ -54,6 +54,7 @@ def segments(metrics: Iterable[Record]) -> list[list[Record]]:
 def steady_windows(metrics: Iterable[Record], warmup_steps: int = 0) -> list[Window]:
     """The windows that count for throughput: see the module docstring for what warm-up leaves out."""
     kept: list[Window] = []
+    metrics = [m for m in metrics if m.get("samples_per_s") is not None]  # a script that reported no samples
     for seg in segments(metrics):
         first = seg[0]["step"]
         for prev, m in zip(seg, seg[1:]):

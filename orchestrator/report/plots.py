@@ -49,7 +49,7 @@ def plot_timeline(metrics: list[dict[str, Any]], markers: list[dict[str, Any]], 
     for seg in segments(metrics):
         seg_x = [m["t"] - t0 for m in seg]
         ax_loss.plot(seg_x, [m["loss"] for m in seg], marker=".", color="tab:blue")
-        ax_tput.plot(seg_x, [m["samples_per_s"] for m in seg], marker=".", color="tab:cyan")
+        ax_tput.plot(seg_x, [m.get("samples_per_s") or float("nan") for m in seg], marker=".", color="tab:cyan")
     ax_loss.set_ylabel("loss")
     for i, r in enumerate(recoveries):
         for ax in (ax_loss, ax_tput):

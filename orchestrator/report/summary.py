@@ -95,7 +95,7 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         "preemptions": sum(1 for e in events if e["event"] == EventName.NODE_PREEMPTED),
         "goodput": compute_goodput(events, metrics),
         "nodes_lost": sum(1 for e in events if e["event"] == EventName.NODE_LOST),
-        "samples_per_s": (sum(m["samples_per_s"] for m in metrics) / len(metrics)) if metrics else None,
+        "samples_per_s": _mean(m.get("samples_per_s") for m in metrics),  # None: the script reported no samples
         **run_efficiency(metrics),  # throughput_by_world_size, scaling_efficiency, step_time
     }
     if status != "succeeded":
@@ -103,6 +103,11 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         if run_finished and run_finished.get("reason"):
             summary["failure_reason"] = run_finished["reason"]  # the controller's own account (budgets, MIN)
     return summary
+
+
+def _mean(values) -> Optional[float]:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
 
 
 def write_summary(run_dir: str | Path) -> dict[str, Any]:
