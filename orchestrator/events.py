@@ -460,6 +460,8 @@ class WorkerStarted(Event):
     world_size: int
     restart_count: int
     step: int
+    max_steps: Optional[int] = optional()
+    """The step the script trains to (the session's ``max_steps``, HF's ``max_steps``): the live progress's total."""
     milestones: Mapping[str, float] = spread()  # agent_start_t, process_start_t, entry_t, ..., ready_t
 
 

@@ -68,3 +68,17 @@ def test_live_display_keeps_node_output_and_ends_with_the_last_state(tmp_path):
     text = out.getvalue()
     assert "[node0] hello from a worker" in text
     assert "step 40/40 (100%)" in text
+
+
+def test_a_user_scripts_total_comes_from_its_worker_started():
+    """A user script (no trainer.max_steps known to the launch): its session's or HF's max_steps, in
+    worker_started, gives the line its total, percentage and ETA."""
+    from orchestrator.report.progress import ProgressState
+
+    state = ProgressState(max_steps=None, started_t=0.0)
+    state.update([], [{"t": 1.0, "event": "worker_started", "world_size": 2, "restart_count": 0, "step": 0,
+                       "max_steps": 100}])
+    state.update([{"t": 2.0, "step": 10, "loss": 1.0, "world_size": 2, "step_time_s": 0.5},
+                  {"t": 7.0, "step": 20, "loss": 0.9, "world_size": 2, "step_time_s": 0.5}], [])
+    line = state.line(now=8.0)
+    assert line.startswith("step 20/100 (20%), loss 0.9000, world 2, ETA 40 s"), line

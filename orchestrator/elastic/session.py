@@ -236,7 +236,7 @@ class Session:
             return
         self._started = True
         self.startup.mark("ready")
-        self.events.write_main(worker_started(self.startup, self.ctx, self.progress.step))
+        self.events.write_main(worker_started(self.startup, self.ctx, self.progress.step, self.max_steps))
         if not late:
             self._start_window()
 

@@ -44,11 +44,14 @@ class WorkerEvents:
         self.write(event_of(name, fields))
 
 
-def worker_started(startup: StartupTimes, ctx: DistContext, step: int) -> WorkerStarted:
-    """``worker_started`` of an attempt: each start-up milestone's latest time over all ranks. A collective
+def worker_started(startup: StartupTimes, ctx: DistContext, step: int,
+                   max_steps: Optional[int] = None) -> WorkerStarted:
+    """``worker_started`` of an attempt: each start-up milestone's latest time over all ranks, and the step it
+    trains to (``max_steps``, when known: the live progress shows step/total and an ETA from it). A collective
     (one small all_gather): every rank calls it, rank 0 writes the event."""
     per_rank = collectives.all_gather_object(startup.fields(), ctx.world_size)
     return WorkerStarted(world_size=ctx.world_size, restart_count=ctx.restart_count, step=step,
+                         max_steps=max_steps if max_steps and max_steps > 0 else None,
                          milestones=latest_over_ranks(per_rank))
 
 

@@ -275,7 +275,7 @@ class OrchCallback(TrainerCallback):
             self.trackers = open_trackers_rank0(self.cfg, self.run_dir, self.ctx.rank)
         self.startup.mark("restore")
         self.startup.mark("ready")
-        self.events.write_main(worker_started(self.startup, self.ctx, state.global_step))
+        self.events.write_main(worker_started(self.startup, self.ctx, state.global_step, state.max_steps))
         self._window = (time.perf_counter(), 0)
         self._step_start = time.perf_counter()
         return control

@@ -58,6 +58,8 @@ class ProgressState:
             self.last_event = e
             if e["event"] == EventName.RENDEZVOUS_COMPLETE:
                 self.world_size = e.get("world_size", self.world_size)
+            elif e["event"] == EventName.WORKER_STARTED and e.get("max_steps") and self.max_steps is None:
+                self.max_steps = e["max_steps"]  # a user script's total, from its session or HF callback
         return bool(metrics or events)
 
     @property
