@@ -32,6 +32,7 @@ def validate_config(cfg: OrchConfig) -> None:
     _check_loggers(cfg)
     _check_memory_checkpoint_url(cfg)
     _check_checkpoint_engine(cfg)
+    _check_parallelism(cfg)
     _check_per_step(cfg)
 
 
@@ -55,6 +56,18 @@ def _check_checkpoint_engine(cfg: OrchConfig) -> None:
         raise ConfigError("checkpoint.engine", "rank0", "use checkpoint.engine=dcp (or auto)",
                           f"writes rank 0's state alone, but parallelism.strategy={cfg.parallelism.strategy} shards "
                           "it over the ranks")
+
+
+def _check_parallelism(cfg: OrchConfig) -> None:
+    """DDP's graph flags mean nothing to a sharded strategy, which has no DDP: refused rather than ignored."""
+    p = cfg.parallelism
+    if not p.sharded:
+        return
+    for key in ("static_graph", "find_unused_parameters"):
+        if getattr(cfg.ddp, key):
+            raise ConfigError(f"ddp.{key}", True, f"set ddp.{key}=false with parallelism.strategy={p.strategy} (or "
+                              "use parallelism.strategy=ddp)", f"is a DistributedDataParallel flag, but "
+                              f"parallelism.strategy={p.strategy} shards the model with fully_shard, not DDP")
 
 
 def _check_per_step(cfg: OrchConfig) -> None:

@@ -189,7 +189,8 @@ def build_plan(cfg: OrchConfig, run_dir: str, run_id: str, store_port: Optional[
         nodes.append(NodePlan(node=i, agent=agent, env=env, host=host, argv=agent.command(first)))
     ckpt = cfg.checkpoint
     settings = {
-        "ddp": asdict(cfg.ddp),
+        **({} if cfg.parallelism.sharded else {"ddp": asdict(cfg.ddp)}),  # DDP's flags; a sharded run has no DDP
+        "parallelism": parallelism_settings(cfg),
         "amp": {"enabled": cfg.amp.enabled, "dtype": cfg.amp.dtype if cfg.amp.enabled else "fp32",
                 "grad_scaler": cfg.amp.enabled and cfg.amp.dtype == "fp16"},
         "checkpoint": {"url": ckpt.url or f"{run_dir}/checkpoints", "every_n_steps": ckpt.every_n_steps,
@@ -206,3 +207,17 @@ def build_plan(cfg: OrchConfig, run_dir: str, run_id: str, store_port: Optional[
         entrypoint=entrypoint_argv(cfg, run_dir), settings=settings, nodes=tuple(nodes),
         notes=tuple(mode.plan_notes()),
     )
+
+
+def parallelism_settings(cfg: OrchConfig) -> dict[str, Any]:
+    """The strategy and, for a sharded one, its options and device mesh at the job's world sizes."""
+    p, c = cfg.parallelism, cfg.cluster
+    if not p.sharded:
+        return {"strategy": p.strategy}
+    nodes = f"{c.min_nodes}..{c.max_nodes}" if c.elastic else str(c.min_nodes)
+    ranks = f"{c.min_nodes * c.nproc_per_node}..{c.max_nodes * c.nproc_per_node}" if c.elastic else \
+        str(c.min_nodes * c.nproc_per_node)
+    mesh = f"(replicate {nodes}, shard {c.nproc_per_node})" if p.strategy == "hsdp" else f"(shard {ranks})"
+    return {"strategy": p.strategy, "mesh": mesh, "reshard_after_forward": p.reshard_after_forward,
+            "shard_modules": ",".join(p.shard_modules) or "the model's blocks",
+            "activation_checkpointing": p.activation_checkpointing}
