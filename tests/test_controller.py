@@ -138,6 +138,17 @@ def test_recoveries_pair_each_loss_with_the_next_completed_step():
     found = recoveries(events)
     assert [r["mttr_s"] for r in found] == [6.5, 3.0]
     assert found[0]["cause"] == "chaos_kill" and found[0]["world_size"] == 1
+    # A preempted node is a loss too, whatever the script style (the controller records it from the exit 75)
+    preempted = recoveries([{"t": 1.0, "event": "first_step", "step": 1}, {"t": 5.0, "event": "node_preempted", "node": 1},
+                            {"t": 5.2, "event": "node_preempted", "node": 0}, {"t": 9.0, "event": "first_step", "step": 16}])
+    assert [(r["cause"], r["mttr_s"], r["step"]) for r in preempted] == [("node_preempted", 4.0, 16)]
+
+
+def test_the_printed_summary_names_preemptions_and_recoveries():
+    from orchestrator.report.summary import summary_details
+
+    lines = summary_details({"preemptions": 1, "recoveries": [{"mttr_s": 4.0}]})
+    assert lines == ["preemptions 1: node(s) left on a notice after an emergency checkpoint", "recoveries 1: MTTR 4.0 s"]
 
 
 # -- the state machine, through a scripted pool and a manual clock ----------------------------------------------

@@ -48,13 +48,15 @@ def world_size_history(events: list[dict[str, Any]]) -> list[int]:
     return history
 
 
-# partition: orch testcluster; hang: its node ended
-LOSS_EVENTS = (EventName.CHAOS_KILL, EventName.NODE_LOST, EventName.CHAOS_PARTITION, EventName.HANG_DETECTED)
+# partition: orch testcluster; hang: its node ended; node_preempted: a node left on a notice (every script style)
+LOSS_EVENTS = (EventName.CHAOS_KILL, EventName.NODE_LOST, EventName.CHAOS_PARTITION, EventName.HANG_DETECTED,
+               EventName.NODE_PREEMPTED)
 STEP_EVENTS = (EventName.RECOVERED, EventName.FIRST_STEP, EventName.QUORUM_CHANGED)  # quorum_changed: per_step survivors
 
 
 def recoveries(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each loss (a chaos kill or a lost node) paired with the first completed training step after it.
+    """Each loss (a chaos kill, a lost node, a node preempted) paired with the first completed training step after
+    it (``first_step``: the built-in trainer, the elastic API and the HF callback write it).
 
     ``mttr_s`` = that step's time - the loss's time. A loss that happens before the job recovered from an
     earlier one belongs to the same recovery, timed from the earlier one.
@@ -146,6 +148,8 @@ def summary_details(summary: dict) -> list[str]:
         effs = ", ".join(f"{v:.2f} at world size {k}" for k, v in scaling["by_world_size"].items()
                          if int(k) != scaling["baseline_world_size"])
         lines.append(f"scaling efficiency {effs} (against world size {scaling['baseline_world_size']} in this run)")
+    if summary.get("preemptions"):
+        lines.append(f"preemptions {summary['preemptions']}: node(s) left on a notice after an emergency checkpoint")
     if summary.get("recoveries"):
         mttrs = ", ".join(f"{r['mttr_s']:.1f} s" for r in summary["recoveries"])
         lines.append(f"recoveries {len(summary['recoveries'])}: MTTR {mttrs}")
