@@ -34,6 +34,19 @@ def kill_launch_after_checkpoint(tmp_path, args, run_dir, min_step):
     return max(saved_steps(run_dir))
 
 
+def launch_losing_node_1(tmp_path, args, run_dir, min_step, wait_s=120, finish_s=200):
+    """Launch ARGS, SIGKILL node 1 (agent and workers: ``orch chaos kill-node``) once a checkpoint at >= min_step
+    is committed, and wait for the launch to succeed without it."""
+    proc = start_orch("launch", *args, log=tmp_path / "elastic.log")
+    try:
+        wait_for(lambda: any(s >= min_step for s in saved_steps(run_dir)), wait_s, f"checkpoint at step {min_step}")
+        kill = run_orch("chaos", "kill-node", str(run_dir), "--node", "1", timeout=30)
+        assert kill.returncode == 0 and "killed node 1" in kill.stdout
+        assert proc.wait(timeout=finish_s) == 0, (tmp_path / "elastic.log").read_text()[-3000:]
+    finally:
+        stop_tree(proc.pid)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """The run dir of one uninterrupted launch of EXACT (checkpoints on local disk, torch's format): the weights
@@ -86,14 +99,7 @@ def test_node_kill_resumes_at_smaller_world_with_every_sample_once(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
 
     run_dir = tmp_path / "elastic"
-    proc = start_orch("launch", *common, "cluster.nnodes=1:2", f"run.dir={run_dir}", log=tmp_path / "elastic.log")
-    try:
-        wait_for(lambda: any(s >= 10 for s in saved_steps(run_dir)), 120, "checkpoint at step 10")
-        kill = run_orch("chaos", "kill-node", str(run_dir), "--node", "1", timeout=30)
-        assert kill.returncode == 0 and "killed node 1" in kill.stdout
-        assert proc.wait(timeout=200) == 0, (tmp_path / "elastic.log").read_text()[-3000:]
-    finally:
-        stop_tree(proc.pid)
+    launch_losing_node_1(tmp_path, [*common, "cluster.nnodes=1:2", f"run.dir={run_dir}"], run_dir, min_step=10)
 
     s = summary(run_dir)
     # Shrunk to 1 after the kill; the controller then fills node 1's slot again and the job grows back.

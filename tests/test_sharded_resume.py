@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from orchproc import read_jsonl, run_orch, start_orch, stop_tree, summary, wait_for
-from test_resume import kill_launch_after_checkpoint, saved_steps
+from orchproc import read_jsonl, run_orch, summary
+from test_resume import kill_launch_after_checkpoint, launch_losing_node_1
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -27,14 +27,7 @@ def test_lost_node_shrinks_and_resumes_from_dcp_shards_then_the_checkpoint_resum
     # 40 steps after the step-20 checkpoint: the kill lands while the job still trains; step 20 is kept.
     args = [*SHARDED, "cluster.nnodes=1:2", "trainer.max_steps=60", "checkpoint.keep_last=10", f"checkpoint.url={url}",
             f"run.dir={run_dir}"]
-    proc = start_orch("launch", *args, log=tmp_path / "elastic.log")
-    try:
-        wait_for(lambda: any(s >= 20 for s in saved_steps(run_dir)), 240, "the step-20 checkpoint")
-        kill = run_orch("chaos", "kill-node", str(run_dir), "--node", "1", timeout=30)
-        assert kill.returncode == 0 and "killed node 1" in kill.stdout
-        assert proc.wait(timeout=300) == 0, (tmp_path / "elastic.log").read_text()[-3000:]
-    finally:
-        stop_tree(proc.pid)
+    launch_losing_node_1(tmp_path, args, run_dir, min_step=20, wait_s=240, finish_s=300)
     s = summary(run_dir)
     assert s["status"] == "succeeded" and s["steps_completed"] == 60 and s["world_size_history"][:2] == [2, 1]
     kill_t = events(run_dir, "chaos_kill")[0]["t"]
