@@ -97,9 +97,12 @@ def test_training_args_come_from_the_run_config_unless_given(tmp_path, monkeypat
     assert hf.orch_training_args(None, output_dir=str(tmp_path / "o")).max_steps == -1, "outside orch: HF's defaults"
     # What the Trainer's own loop cannot follow is refused in one line, naming key, value and fix.
     for override, key in (("checkpoint.every_n_steps=auto", "checkpoint.every_n_steps"),
-                          ("fault_tolerance.mode=per_step", "fault_tolerance.mode")):
+                          ("fault_tolerance.mode=per_step", "fault_tolerance.mode"),
+                          ("parallelism=fsdp2", "parallelism.strategy")):
         with pytest.raises(ConfigError, match=f"{key}=.*Fix: "):
             hf.orch_training_args(run_config(tmp_path, override))
+    with pytest.raises(ConfigError, match="parallelism.strategy='hsdp' is not applied by the transformers.Trainer"):
+        hf.OrchCallback(cfg=run_config(tmp_path, "parallelism=hsdp"))
 
 
 def test_only_complete_checkpoints_are_resumed_from(tmp_path):
@@ -218,6 +221,7 @@ def test_the_hf_example_survives_a_preemption_with_every_step_once(tmp_path):
     s = summary(run_dir)
     assert s["status"] == "succeeded" and s["steps_completed"] == HF_STEPS
     assert s["goodput"] and s["goodput"]["lost_steps"] == 0, s["goodput"]
+    assert s["preemptions"] >= 1 and [r["cause"] for r in s["recoveries"]] == ["node_preempted"], s["recoveries"]
     seen = read_jsonl(run_dir / EVENTS_FILE)
     emergency = [e["step"] for e in seen if e["event"] == "emergency_checkpoint"]
     assert len(emergency) == 1 and emergency[0] < HF_STEPS, "the notice came mid-run"
@@ -238,6 +242,7 @@ def test_the_hf_example_survives_a_preemption_with_every_step_once(tmp_path):
     log = (tmp_path / "orch.log").read_text()
     assert "EADDRINUSE" not in log and "address already in use" not in log.lower(), "no port collided on recovery"
     assert "Writing model shards" not in log, "HF's tqdm bars stay out of the worker logs"
+    assert "preemptions 1" in log and "recoveries 1: MTTR" in log, log[-1500:]  # the printed summary says so
 
 
 ACCELERATE_SCRIPT = '''
