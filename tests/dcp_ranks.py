@@ -1,5 +1,5 @@
-"""Gloo ranks for the DCP engine's tests (tests/test_dcp_checkpoints.py): each rank trains a small MLP under DDP
-or FSDP2 (``fully_shard`` per layer on a CPU device mesh), checkpoints through SessionCheckpoints with the
+"""Gloo ranks for the DCP engine's tests (tests/test_dcp_checkpoints.py): each rank trains a small MLP under DDP,
+FSDP2 (``fully_shard`` per layer on a CPU device mesh) or HSDP (the same on a 2-D mesh), checkpoints through SessionCheckpoints with the
 ``dcp`` engine, and writes what it ended with (hashes of the full model and optimizer state) to a JSON file.
 Run with :func:`run_ranks` (``torch.multiprocessing`` spawn; tests/ is on the children's path): one launch runs
 several phases in turn (each a model of its own at its own URL), since starting processes is what costs."""
@@ -52,11 +52,13 @@ def _model(strategy: str, world: int) -> torch.nn.Module:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(DIM, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
                                 torch.nn.Linear(32, 1))
-    if strategy == "fsdp2":
+    if strategy in ("fsdp2", "hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (world,))
+        # hsdp: replicated across the first dimension, sharded along the second (2 ranks: 2 x 1).
+        mesh = init_device_mesh("cpu", (world,)) if strategy == "fsdp2" else init_device_mesh(
+            "cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)

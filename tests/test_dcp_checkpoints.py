@@ -132,22 +132,22 @@ def test_same_world_size_resume_is_bit_exact_and_async_saves_commit(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_fsdp2_reshards_2_to_3_to_1_and_ddp_to_fsdp2(tmp_path):
-    """Saved at world size 2 under FSDP2 and under DDP, loaded under FSDP2 at 3 and at 1: the full model and
+def test_fsdp2_reshards_2_to_3_to_1_and_ddp_or_hsdp_to_fsdp2(tmp_path):
+    """Saved at world size 2 under FSDP2, DDP and HSDP, loaded under FSDP2 at 3 and at 1: the full model and
     optimizer state are what was saved, bit for bit; ``checkpoint_loaded`` names both world sizes."""
-    fsdp, ddp = str(tmp_path / "fsdp"), str(tmp_path / "ddp")
+    fsdp, ddp, hsdp = str(tmp_path / "fsdp"), str(tmp_path / "ddp"), str(tmp_path / "hsdp")
     saved = run_ranks(2, str(tmp_path / "a"), dict(url=fsdp, steps=2, save_at=(2,), strategy="fsdp2"),
-                      dict(url=ddp, steps=2, save_at=(2,)))
+                      dict(url=ddp, steps=2, save_at=(2,)), dict(url=hsdp, steps=2, save_at=(2,), strategy="hsdp"))
     for world in (3, 1):
-        got = run_ranks(world, str(tmp_path / f"w{world}"), dict(url=fsdp, steps=2, strategy="fsdp2"),
-                        dict(url=ddp, steps=2, strategy="fsdp2"))
+        got = run_ranks(world, str(tmp_path / f"w{world}"), *(dict(url=url, steps=2, strategy="fsdp2")
+                                                              for url in (fsdp, ddp, hsdp)))
         for before, after in zip(saved, got):
             assert after["restored"] == 2 and after["loaded"] == before["saved"]["2"], world
             loaded = next(e for e in after["events"] if e["event"] == "checkpoint_loaded")
             assert loaded["world_size"] == world and loaded["saved_world_size"] == 2
     from safetensors.torch import load_file
 
-    for url, before in ((fsdp, saved[0]), (ddp, saved[1])):  # consolidated in one process, no process group
+    for url, before in zip((fsdp, ddp, hsdp), saved):  # consolidated in one process, no process group
         export_weights(url, str(tmp_path / "model.safetensors"), step=2)
         assert digest(load_file(str(tmp_path / "model.safetensors"))) == before["saved"]["2"]["model"]
 
