@@ -38,10 +38,11 @@ def _rank(rank: int, world: int, store_dir: str, cases: list[dict]) -> None:
 
 
 def _case(rank: int, world: int, overrides: list[str], expect_error: bool = False,
-          local_world: int | None = None) -> dict[str, Any]:
+          local_world: int | None = None, session: bool = False) -> dict[str, Any]:
     """Train STEPS steps of the tiny model under ``overrides`` (of conf=cpu_gloo); every rank sees the same
     global batch, split by rank, so every strategy trains on the same data. ``local_world``: the processes per
-    node this case's ranks are told they run with (LOCAL_WORLD_SIZE; default: every rank on one node)."""
+    node this case's ranks are told they run with (LOCAL_WORLD_SIZE; default: every rank on one node).
+    ``session``: wrap through ``Session.wrap`` and use ``Session.strategy``, as a user's script does."""
     os.environ["LOCAL_WORLD_SIZE"] = str(local_world or world)
     from orchestrator.config.compose import compose_config
     from orchestrator.parallel import strategy_for
@@ -54,7 +55,13 @@ def _case(rank: int, world: int, overrides: list[str], expect_error: bool = Fals
     torch.manual_seed(rank)  # different on every rank: the strategy must start every rank from rank 0's model
     model = BertMLM(512, 64, 2, 4, 256, 16)
     try:
-        wrapped = strategy.wrap(model, DistContext.from_env(), device)
+        if session:
+            from orchestrator.elastic import Session
+
+            user = Session(cfg)
+            wrapped, strategy = user.wrap(model), user.strategy
+        else:
+            wrapped = strategy.wrap(model, DistContext.from_env(), device)
     except Exception as exc:  # noqa: BLE001 - the case is about what each rank raises
         if not expect_error:
             raise

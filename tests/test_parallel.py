@@ -68,7 +68,8 @@ def test_shard_units_are_the_blocks_or_the_named_classes():
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_fsdp2_and_hsdp_train_like_ddp_on_two_gloo_ranks(tmp_path):
-    cases = [{"overrides": ["parallelism=ddp"]}, {"overrides": ["parallelism=fsdp2"]},
+    """fsdp2 through session.wrap (a user's script), the others through the strategy (the built-in trainer)."""
+    cases = [{"overrides": ["parallelism=ddp"]}, {"overrides": ["parallelism=fsdp2"], "session": True},
              {"overrides": ["parallelism=hsdp"]},  # one node of two processes: (replicate 1, shard 2)
              {"overrides": ["parallelism=hsdp"], "local_world": 1},  # two nodes of one: (replicate 2, shard 1)
              {"overrides": ["parallelism=fsdp2", "parallelism.activation_checkpointing=true",
@@ -99,3 +100,12 @@ def test_cpu_fsdp_launch_trains_on_two_nodes(tmp_path):
     assert s["status"] == "succeeded" and s["steps_completed"] == 4
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4] and {m["world_size"] for m in metrics} == {2}
+
+
+def test_session_wrap_leaves_a_lone_process_model_alone():
+    from orchestrator.elastic import Session
+
+    session = Session(compose_config("cpu_fsdp"))
+    model = torch.nn.Linear(2, 2)
+    assert session.wrap(model) is model and type(session.strategy).__name__ == "FSDP2Strategy"
+    assert type(Session().strategy).__name__ == "DDPStrategy"  # no run config: ddp

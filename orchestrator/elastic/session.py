@@ -25,6 +25,7 @@ from orchestrator.elastic.worker_events import (WorkerEvents, first_step, traini
                                                 worker_started)
 from orchestrator.ft.steps import StepProtocol
 from orchestrator.ft.worker import step_protocol
+from orchestrator.parallel import Strategy, strategy_for
 from orchestrator.runtime.distributed import DistContext, select_device
 from orchestrator.runtime.sampler import GlobalBatchSampler
 from orchestrator.runtime.state import Progress, Record, TrainingState
@@ -100,6 +101,7 @@ class Session:
         self._step_start = time.perf_counter()
         self._result: Optional[dict[str, Any]] = None
         self.owns_process_group = False  # set by init(): the session then destroys it on exit
+        self._strategy: Optional[Strategy] = None
         self.ft: StepProtocol = step_protocol(cfg, self.ctx, self.device)
         """The fault-tolerance mode's step protocol; attached to the state at register()."""
 
@@ -143,6 +145,26 @@ class Session:
         self.ft.sync_gradients()
 
     # -- before the first step --------------------------------------------------------------------------------
+    @property
+    def strategy(self) -> Strategy:
+        """The run's parallelism strategy (``parallelism.strategy``; ``ddp`` without a config): after
+        :meth:`wrap`, its ``no_sync(model)``, ``clip_grad_norm_(model, max_norm)`` and ``grad_scaler(...)``
+        are the ones that fit the wrapped model."""
+        if self._strategy is None:
+            self._strategy = strategy_for(self.cfg)
+        return self._strategy
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` on this worker's device, spread over the ranks as the run's ``parallelism.strategy`` says
+        (DDP, or FSDP2's ``fully_shard`` per block: docs/sharded.md); returns the module to call forward on.
+        Build the optimizer over the returned module's parameters (a sharded strategy turns them into DTensors)
+        and register that module. Without a process group (a lone process) the model is returned unwrapped;
+        without a run config the strategy is ``ddp``. Every rank calls it."""
+        model = model.to(self.device)
+        if not self.distributed:
+            return model
+        return self.strategy.wrap(model, self.ctx, self.device, timer=self.timer)
+
     def register(self, states: Optional[Mapping[str, Any]] = None, **named: Any) -> None:
         """Checkpoint these ``Stateful`` objects (``state_dict``/``load_state_dict``) under their names:
         ``register(model=m, optim=o)`` or torchtitan's ``register({"model": m, "train_state": s})``. A DDP or

@@ -131,6 +131,7 @@ def orch_training_args(cfg: Optional[OrchConfig] = None, **kwargs: Any) -> Train
         if cfg.fault_tolerance.mode == "per_step":  # the Trainer's own loop steps the optimizer, not the quorum
             raise ConfigError("fault_tolerance.mode", "per_step", "use fault_tolerance.mode=restart with "
                               "transformers.Trainer", "is not supported by the transformers.Trainer integration")
+        refuse_sharded(cfg)
         every = ckpt.every_n_steps if ckpt.every_n_steps > 0 else t.max_steps
         filled.update(output_dir=checkpoint_dir(cfg), max_steps=t.max_steps, save_strategy="steps", save_steps=every,
                       logging_steps=t.log_every, seed=t.seed, per_device_train_batch_size=t.micro_batch_size,
@@ -144,6 +145,17 @@ def orch_training_args(cfg: Optional[OrchConfig] = None, **kwargs: Any) -> Train
         if accumulation is not None:
             filled["gradient_accumulation_steps"] = accumulation
     return TrainingArguments(**{**filled, **kwargs})
+
+
+def refuse_sharded(cfg: Optional[OrchConfig]) -> None:
+    """The Trainer wraps its model itself (DDP, or FSDP through accelerate's plugin: TrainingArguments ``fsdp``)
+    and saves its own checkpoints, so orch's sharded strategies are not applied to it: refused in one line
+    rather than training unsharded under a config that says otherwise."""
+    if cfg is not None and cfg.parallelism.strategy != "ddp":
+        raise ConfigError("parallelism.strategy", cfg.parallelism.strategy, "use parallelism.strategy=ddp with "
+                          "transformers.Trainer (to shard it, pass TrainingArguments fsdp=... to accelerate's FSDP "
+                          "plugin yourself)", "is not applied by the transformers.Trainer integration: the Trainer "
+                          "wraps its model and writes its checkpoints itself")
 
 
 def averages_its_own_loss(model: torch.nn.Module) -> torch.nn.Module:
@@ -226,6 +238,7 @@ class OrchCallback(TrainerCallback):
                  exit_on_preemption: bool = True):
         self.run_dir = run_dir if run_dir is not None else orch_run_dir()
         self.cfg = cfg if cfg is not None else run_config(self.run_dir)
+        refuse_sharded(self.cfg)
         if self.run_dir is not None and PROGRESS_BARS_ENV not in os.environ:
             quiet_progress_bars()
         self.ctx = DistContext.from_env()

@@ -22,7 +22,6 @@ from torch.utils.data import DataLoader
 
 from orchestrator.config.schema import OrchConfig
 from orchestrator.elastic import GlobalBatchSampler, Session
-from orchestrator.parallel import strategy_for
 from orchestrator.rundir import SAMPLES_DIR, append_jsonl
 from orchestrator.runtime.precision import MixedPrecision
 
@@ -61,7 +60,7 @@ class Trainer:
         self.device = session.device
         self.timer = session.timer  # the time breakdown of every step (runtime/timing.py)
         seed_everything(cfg.trainer.seed)  # identical init on every rank (the strategy's broadcast makes sure)
-        self.strategy = strategy_for(cfg)
+        self.strategy = session.strategy
         self.model = self.strategy.wrap(instantiate(cfg.model, _convert_="all").to(self.device), self.ctx,
                                         self.device, timer=self.timer)
         self.raw_model = self.strategy.unwrap(self.model)  # what checkpoints hold
