@@ -1,15 +1,17 @@
 """Elastic sharded training through real launches (slow; issue 25's Done-when): ``conf=cpu_fsdp`` (FSDP2 over
 gloo, DCP checkpoints) loses a node after its step-20 checkpoint, shrinks to one node and resumes from the DCP
-shards; the same checkpoint resumes at three nodes; a killed launch resumes bit-exact at the same world size.
+shards; the same checkpoint resumes at three nodes; a killed launch resumes bit-exact at the same world size; a
+preemption notice leads to an emergency DCP save that every rank commits.
 The preset's model is shrunk (same architecture, fewer and narrower layers) so a step takes milliseconds."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 
-from orchproc import read_jsonl, run_orch, summary
+from orchproc import preempt_midrun, read_jsonl, run_orch, summary
 from test_resume import kill_launch_after_checkpoint, launch_losing_node_1
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -60,3 +62,20 @@ def test_killed_fsdp2_launch_resumes_bit_exact(tmp_path):
     assert len(loaded) == 1 and 10 <= loaded[0]["step"] <= last_saved and loaded[0]["world_size"] == 2
     assert summary(resumed)["params_sha256"] == summary(reference)["params_sha256"]
     assert summary(resumed)["steps_completed"] == 20
+
+
+def test_preemption_notice_leads_to_an_emergency_dcp_save_every_rank_commits(tmp_path):
+    """A notice for node 1 of a 2-node FSDP2 job: every rank writes its shards of the emergency checkpoint
+    (synchronous, committed before anyone leaves), and the next round resumes from exactly that step."""
+    url = tmp_path / "ckpt"
+    args = [*SHARDED, "cluster.nnodes=2", "trainer.max_steps=60", "checkpoint.every_n_steps=50",
+            "checkpoint.keep_last=10", f"checkpoint.url={url}"]
+    run_dir = preempt_midrun(tmp_path, args, lambda rd: run_orch("chaos", "preempt", str(rd), "--node", "1",
+                                                                 timeout=60), min_step=15)
+    emergency = events(run_dir, "emergency_checkpoint")
+    assert len(emergency) == 1 and summary(run_dir)["steps_completed"] == 60
+    step = emergency[0]["step"]
+    stepdir = url / f"step_{step:09d}"
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(stepdir))
+    assert json.loads((stepdir / "manifest.json").read_text())["metadata"]["reason"] == "preemption"
+    assert [e["step"] for e in events(run_dir, "checkpoint_loaded")][-1:] == [step]
