@@ -286,3 +286,23 @@ def test_the_elastic_agent_restarts_workers_for_waiting_nodes_without_using_a_re
            f"on num_nodes_waiting() > 0 with healthy workers it did {agent.calls}, not stop + rendezvous")
     expect(agent._remaining_restarts == 3, "SimpleElasticAgent._remaining_restarts",
            "a membership change used up a restart")
+
+
+def test_the_agent_tells_a_preemption_exit_in_one_warning_line():
+    """torchrun logs an error for every worker that exits non-zero; for orch's agreed preemption exit (75) the
+    agent's log says what it is instead (the preempted node's own SIGTERM is one line too: the slow drills)."""
+    import logging
+
+    from orchestrator.rendezvous.agent import PreemptedExitLine
+
+    def logged(code: int) -> logging.LogRecord:
+        record = logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.ERROR, __file__, 1,
+                                   "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
+                                   (code, 0, 123, "python"), None)
+        assert PreemptedExitLine().filter(record)
+        return record
+
+    preempted, failed = logged(75), logged(1)
+    assert (preempted.levelname, preempted.getMessage()) == (
+        "WARNING", "local_rank 0 (pid 123) left after a preemption notice (exit 75, its checkpoint saved)")
+    assert failed.levelname == "ERROR" and failed.getMessage().startswith("failed (exitcode: 1)")

@@ -82,3 +82,12 @@ def test_a_user_scripts_total_comes_from_its_worker_started():
                   {"t": 7.0, "step": 20, "loss": 0.9, "world_size": 2, "step_time_s": 0.5}], [])
     line = state.line(now=8.0)
     assert line.startswith("step 20/100 (20%), loss 0.9000, world 2, ETA 40 s"), line
+
+
+def test_the_eta_after_a_restart_comes_from_the_new_attempts_step_time_not_the_gap():
+    from orchestrator.report.progress import ProgressState
+
+    state = ProgressState(max_steps=3000, started_t=0.0)
+    state.update([{"t": 10.0, "step": 190, "world_size": 2, "restart_count": 0, "step_time_s": 0.01},
+                  {"t": 40.0, "step": 200, "world_size": 2, "restart_count": 1, "step_time_s": 0.01}], [])
+    assert state.eta_s == 28.0, "2800 steps at the new attempt's 10 ms, not 10 steps per 30 s of restart"

@@ -16,6 +16,7 @@ Refused local clients and forged states are recorded in the run dir (``store_cli
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -23,6 +24,7 @@ import time
 from datetime import timedelta
 from typing import Any, Callable
 
+from orchestrator.errors import Preempted
 from orchestrator.events import Event, StoreClientRefused, StoreValueRefused
 from orchestrator.rundir import EventLog
 from orchestrator.trust.relay import LocalRelay
@@ -110,15 +112,36 @@ def store_client(gate: tuple[str, int], secret: str, route: str = RUN_ROUTE,
     return client, relay
 
 
+class PreemptedExitLine(logging.Filter):
+    """torchrun's ``failed (exitcode: 75) local_rank: ...`` error, for workers that left with orch's preemption
+    exit (an agreed notice, an emergency checkpoint saved), as the one warning line it is."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if str(record.msg).startswith("failed (exitcode: %s)") and args and args[0] == Preempted.exit_code:
+            record.msg = "local_rank %s (pid %s) left after a preemption notice (exit %s, its checkpoint saved)"
+            record.args = (args[1], args[2], args[0])
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 def main() -> None:
     secret = os.environ.get(RUN_SECRET_ENV, "")
     if not secret:
         sys.exit(f"{MODULE}: {RUN_SECRET_ENV} is not set (orch's launcher sets it; in a pod, k8s.run_secret)")
-    args, _relays = prepare(sys.argv[1:], secret, f"node{os.environ.get('ORCH_NODE', '?')}")
+    node = f"node{os.environ.get('ORCH_NODE', '?')}"
+    args, _relays = prepare(sys.argv[1:], secret, node)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun_main
 
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(PreemptedExitLine())
     sys.argv = ["torchrun", *args]
-    torchrun_main(args)
+    try:
+        torchrun_main(args)
+    except SignalException as exc:  # expected: a notice's node leaving, `orch stop`, the controller ending it
+        print(f"[orch] {node}: the torchrun agent got {exc.sigval.name} and stopped its workers (a preemption "
+              "notice, orch stop, or the controller ending this node)", file=sys.stderr, flush=True)
+        sys.exit(1)  # what the traceback's exit was: the controller classifies the exit as before
 
 
 if __name__ == "__main__":

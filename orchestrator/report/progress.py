@@ -47,9 +47,11 @@ class ProgressState:
         """Take new records in; returns whether anything changed."""
         for m in metrics:
             prev = self._prev
-            if prev is not None and m["step"] > prev["step"] and m["t"] > prev["t"]:
+            same_attempt = prev is not None and all(m.get(k) == prev.get(k) for k in ("restart_count", "world_size"))
+            if same_attempt and m["step"] > prev["step"] and m["t"] > prev["t"]:
                 self.steps_per_s = (m["step"] - prev["step"]) / (m["t"] - prev["t"])
             elif m.get("step_time_s"):
+                # A new attempt or world size: its own step time, not the gap of the restart between the records
                 self.steps_per_s = 1.0 / m["step_time_s"]
             self._prev = m
             self.step, self.loss = m["step"], m.get("loss")
