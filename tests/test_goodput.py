@@ -179,6 +179,25 @@ def test_a_node_lost_after_training_finished_is_shutdown_not_lost_work():
 
 
 @pytest.mark.timeout(10)
+def test_a_plain_script_that_reports_no_steps_counts_its_run_time():
+    """A plain torchrun script is seen from outside: its round's start to its first node's exit 0 is its training
+    (goodput was 0.0%, every second shutdown)."""
+    s = Stream()
+    s.event(0.0, "launch_started", command_t=-1.0)
+    s.event(0.5, "node_started", node=0)
+    s.event(2.0, "rendezvous_complete", world_size=2, restart_count=0)
+    s.event(12.0, "node_finished", node=0, exit_code=0)
+    s.event(12.2, "node_finished", node=1, exit_code=0)
+    s.event(13.0, "run_finished", status="succeeded")
+    g = compute_goodput(s.events, s.metrics)
+    assert g["productive_s"] == pytest.approx(10.0) and g["wall_s"] == pytest.approx(14.0)
+    assert g["goodput"] == pytest.approx(10 / 14) and g["badput"]["shutdown_s"] == pytest.approx(1.0)
+    assert g["badput"]["launch_s"] == pytest.approx(1.5), "from the command's start to its agent's start"
+    bare = [e for e in s.events if e["event"] != "rendezvous_complete"]  # torchrun's own rounds: none recorded
+    assert compute_goodput(bare, [])["productive_s"] == pytest.approx(11.5), "from its agent's start"
+
+
+@pytest.mark.timeout(10)
 def test_no_goodput_without_a_finished_run():
     s, _ = kill_and_notice_run()
     assert compute_goodput(s.events[:-1], s.metrics) is None

@@ -210,6 +210,23 @@ def _move_mode_seconds(metrics: list[dict[str, Any]], totals: dict[str, float]) 
     return categories
 
 
+def script_run(events: list[dict[str, Any]]) -> Optional[tuple[float, float]]:
+    """A plain script's training, seen from outside (it reports no steps): from the rendezvous round its workers
+    ran in (without one recorded: its last node agent up) to the first node that finished (exit 0) after it; None
+    when no node finished."""
+    done = [e["t"] for e in events if e["event"] == EventName.NODE_FINISHED]
+    if not done:
+        return None
+    for names in ((EventName.RENDEZVOUS_COMPLETE,), NODE_UP_EVENTS):
+        rounds = [e["t"] for e in events if e["event"] in names and e["t"] <= min(done)]
+        if rounds:
+            break
+    else:
+        return None
+    end = min(t for t in done if t >= rounds[-1])
+    return (rounds[-1], end) if end > rounds[-1] else None
+
+
 def launch_start(events: list[dict[str, Any]]) -> float | None:
     """When the launch began: its command's start (``launch_started.command_t``: composing, checks and starting
     Ray count, as goodput's ``launch``), else ``launch_started``'s own time; None without one."""
@@ -229,6 +246,11 @@ def compute_goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]])
     steps = _steps(events, metrics)
     starts = [e["t"] for e in events if e["event"] == EventName.RENDEZVOUS_COMPLETE]
     totals: dict[str, float] = {"productive": sum(s for _, s in steps.kept.values()), "lost": sum(steps.lost.values())}
+    if not metrics:
+        ran = script_run(events)
+        if ran is not None:  # a script that reports no steps: its run time is its training
+            steps.attempts[0] = Attempt(0, ran[0], ran[1], 1, 0, ran[0])
+            totals["productive"] = ran[1] - ran[0]
 
     pending_stall = _move_save_stalls(events, steps, starts, totals)
     mode_categories = _move_mode_seconds(metrics, totals)
