@@ -98,6 +98,14 @@ def cmd_bench_ckpt(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_memory(args: argparse.Namespace) -> int:
+    from orchestrator.bench.memory import main_memory_bench
+
+    world_sizes = [int(w) for w in args.world_sizes.split(",") if w.strip()]
+    main_memory_bench(out=args.out, preset=args.preset, world_sizes=world_sizes, steps=args.steps)
+    return 0
+
+
 def cmd_bench_recovery(args: argparse.Namespace) -> int:
     from orchestrator.bench.recovery import main_recovery_bench
 
@@ -257,6 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the result as JSON to this file")
     p.add_argument("--size-mb", type=float, default=100.0, help="model + optimizer state size (default 100)")
     p.set_defaults(func=cmd_bench_ckpt)
+    p = bench.add_parser("memory", help="per-rank parameter + gradient + optimizer bytes, peak RSS and throughput: "
+                                        "ddp vs fsdp2 at each world size")
+    p.add_argument("--out", help="write the rows and fsdp2_over_ddp_state_bytes_per_rank as JSON to this file")
+    p.add_argument("--preset", default="cpu_fsdp", help="the preset whose model is measured (default cpu_fsdp)")
+    p.add_argument("--world-sizes", default="1,2,4", help="comma-separated world sizes (default 1,2,4)")
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps per run (default 4)")
+    p.set_defaults(func=cmd_bench_memory)
     p = bench.add_parser("scaling", help="throughput, scaling efficiency and comm fraction at each world size",
                          usage="orch bench scaling conf=NAME world_sizes=[1,2,...] [key=value ...] [--out FILE.json]")
     p.add_argument("overrides", nargs="*", metavar="conf=NAME | world_sizes=[..] | key=value",

@@ -94,3 +94,21 @@ def test_goodput_per_step_runs_both_modes_on_the_elastic_job_and_reports_time_to
     assert r["ratio"] == pytest.approx(0.9 / 0.95) and r["time_to_train_ratio"] == pytest.approx(180 / 200)
     assert r["overrides"] == [*goodput.JOB, "cluster.nnodes=1:2", "fault_tolerance.mode=per_step"]
     assert "time-to-train ratio" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_memory_halves_the_state_per_rank_at_world_2(tmp_path):
+    """ddp and fsdp2 side by side on conf=cpu_gloo's tiny model, at world size 2 only (each run is a spawn)."""
+    out = tmp_path / "memory.json"
+    result = run_orch("bench", "memory", "--preset=cpu_gloo", "--world-sizes=2", "--steps=2", f"--out={out}",
+                      timeout=280)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert {(r["world_size"], r["strategy"]) for r in data["rows"]} == {(2, "ddp"), (2, "fsdp2")}
+    for row in data["rows"]:
+        assert row["state_bytes"] > 0 and row["peak_rss_bytes"] > row["state_bytes"] and row["samples_per_s"] > 0
+    ddp = next(r for r in data["rows"] if r["strategy"] == "ddp")
+    assert ddp["state_bytes"] >= 16 * ddp["params"]  # fp32 parameters, gradients and AdamW's two moments
+    assert data["fsdp2_over_ddp_state_bytes_per_rank"]["2"] <= 0.6 and data["targets_met"] == {"2": True}
+    assert "fsdp2/ddp state per rank at world 2" in result.stdout and "met" in result.stdout

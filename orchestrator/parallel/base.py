@@ -56,7 +56,3 @@ class Strategy:
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The module whose state dict is the model's (no wrapper prefixes): what checkpoints register."""
         return unwrap(model)
-
-    def describe(self) -> dict[str, Any]:
-        """What the run's events and ``--dry-run`` say about the strategy."""
-        return {"strategy": self.name, "sharded": self.sharded}

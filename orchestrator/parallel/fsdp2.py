@@ -102,12 +102,6 @@ class FSDP2Strategy(Strategy):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model  # fully_shard works in place: the module is its own state-dict module
 
-    def describe(self) -> dict[str, Any]:
-        o = self.options
-        return {**super().describe(), "reshard_after_forward": o.reshard_after_forward,
-                "shard_modules": list(o.shard_modules) or "default",
-                "activation_checkpointing": o.activation_checkpointing}
-
 
 class HSDPStrategy(FSDP2Strategy):
     """FSDP2 on a 2-D mesh: replicate across nodes, shard within a node (``LOCAL_WORLD_SIZE`` ranks)."""
