@@ -167,3 +167,43 @@ def test_engine_config():
     with pytest.raises(ConfigError, match=r"^checkpoint.engine='rank0' .*parallelism.strategy=fsdp2.* Fix: use "
                                           r"checkpoint.engine=dcp"):
         compose_config("cpu_fsdp", ["checkpoint.engine=rank0"])
+
+
+@pytest.mark.timeout(120)
+def test_dcp_checkpoints_on_s3(s3_bucket):
+    """s3:// through s3fs (moto's server): shards and index written in place, the manifest is the commit, a
+    resume and an export read them back."""
+    url = f"s3://{s3_bucket}/run/ckpt"
+    ckpt, state = lone_session(url, async_save=True)
+    train(state, 2)
+    ckpt.save()
+    train(state, 1)
+    ckpt.finish()
+    manager = CheckpointManager(url)
+    assert [(i.step, i.valid, i.format) for i in manager.list()] == [(2, True, "dcp"), (3, True, "dcp")]
+    assert {".metadata", "__0_0.distcp", "manifest.json"} <= set(manager.storage.list_files(step_dirname(3)))
+    other, fresh = lone_session(url, seed=1)
+    assert other.restore() == 3
+    assert params_sha256(fresh.components["model"]) == params_sha256(state.components["model"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_failed_shard_write_commits_nothing(tmp_path, monkeypatch, async_save):
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    url = str(tmp_path / "ckpt")
+    events: list = []
+    ckpt, state = lone_session(url, async_save=async_save)
+    ckpt.manager._on_event = lambda name, fields: events.append(name)
+
+    def broken(self, plan, planner):
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", broken)
+    with pytest.raises(CheckpointError, match="disk on fire") as failed:
+        ckpt.save()
+        ckpt.wait()
+    assert "\n" not in str(failed.value) and "rank 0: OSError: disk on fire" in str(failed.value)
+    assert "checkpoint_failed" in events and "checkpoint_saved" not in events
+    assert not os.path.isdir(url) or not os.listdir(url), "the step's files are removed"

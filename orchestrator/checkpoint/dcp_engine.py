@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
@@ -134,7 +135,7 @@ class DcpEngine:
             try:
                 future = dcp.async_save(tensors, storage_writer=writer, process_group=group,
                                         async_stager=self._async_stager(), no_dist=not grouped)
-            except Exception as e:  # noqa: BLE001 - staging failed: no thread, the ranks still agree
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - staging failed: the ranks still agree
                 future = e
             if self.ctx.is_main:
                 payloads = StagingArea(reuse=False).stage(payloads)  # the loop changes the state right after
@@ -147,13 +148,19 @@ class DcpEngine:
         error = None
         try:
             dcp.save(tensors, storage_writer=writer, no_dist=not grouped)
-        except Exception as e:  # noqa: BLE001 - gathered below: every rank learns that nothing commits
-            error = f"rank {self.ctx.rank}: {type(e).__name__}: {e}"
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - gathered below: every rank learns it
+            error = self._describe(e)
         failure = self._commit(step, dirname, error, payloads, metadata, None, time.perf_counter() - t0, t0,
                                is_async=False)
         if failure is not None:
             raise failure
         return time.perf_counter() - t0
+
+    def _describe(self, e: BaseException) -> str:
+        """One line for a failed write: DCP's CheckpointException unwrapped to each failing rank's error."""
+        if isinstance(e, CheckpointException):
+            return "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in e.failures.items())
+        return f"rank {self.ctx.rank}: {type(e).__name__}: {e}"
 
     def _async_group(self) -> Any:
         if self._group is None:
@@ -178,8 +185,8 @@ class DcpEngine:
             if isinstance(future, BaseException):
                 raise future
             future.result()
-        except Exception as e:  # noqa: BLE001
-            error = f"rank {self.ctx.rank}: {type(e).__name__}: {e}"
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's own is a BaseException
+            error = self._describe(e)
         try:
             self._failure = self._commit(step, dirname, error, payloads, metadata, group, stall_s, t0,
                                          is_async=True)
@@ -197,7 +204,7 @@ class DcpEngine:
             try:
                 files = self._hash_files(dirname, lambda f: f.startswith(f"__{self.ctx.rank}_"))
             except Exception as e:  # noqa: BLE001
-                error = f"rank {self.ctx.rank}: {type(e).__name__}: {e}"
+                error = self._describe(e)
         reports = self.comm.all_gather_object({"error": error, "files": files}, self.ctx.world_size, group)
         outcome = None
         if self.ctx.is_main:
