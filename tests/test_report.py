@@ -170,6 +170,8 @@ def test_report_names_the_plots_it_could_not_draw_and_why(tmp_path, capsys, monk
     assert done.returncode == 0, done.stderr
     assert "not drawn: throughput_vs_world_size.png: the run trained at one world size only" in done.stdout
     assert "not drawn: loss_throughput.png" not in done.stdout
+    _assert_png_with_content(tmp_path / "loss_by_step.png")
+    assert "![loss by step](loss_by_step.png)" in (tmp_path / "report.md").read_text()
     assert "throughput_vs_world_size.png not drawn: the run trained at one world size only" in (
         tmp_path / "report.md").read_text()
     monkeypatch.setattr(report, "plots_available", lambda: False)

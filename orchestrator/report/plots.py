@@ -78,6 +78,40 @@ def plot_timeline(metrics: list[dict[str, Any]], markers: list[dict[str, Any]], 
     return _save(fig, path)
 
 
+def smoothed(values: Sequence[float], weight: float = 0.8) -> list[float]:
+    """TensorBoard's smoothing: an exponential moving average, debiased so the first points are not pulled to 0."""
+    out, average, norm = [], 0.0, 0.0
+    for v in values:
+        average, norm = weight * average + (1 - weight) * v, weight * norm + (1 - weight)
+        out.append(average / norm)
+    return out
+
+
+def plot_loss_by_step(metrics: list[dict[str, Any]], path: Path) -> Path:
+    """Loss against the optimizer step, raw and smoothed (:func:`smoothed`): the training curve, whatever the
+    wall time lost around it. World-size changes and restarts (a new attempt) are marked where they happened, as
+    steps; checkpoints are left out (one line each would make a band)."""
+    from orchestrator.report.efficiency import segments
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10, 4))
+    records = sorted((m for m in metrics if m.get("loss") is not None), key=lambda m: m["t"])
+    ax.plot([m["step"] for m in records], [m["loss"] for m in records], color="tab:blue", alpha=0.3, label="loss")
+    ax.plot([m["step"] for m in records], smoothed([m["loss"] for m in records]), color="tab:blue",
+            label="loss (smoothed)")
+    style = MARKER_STYLE["restart"]
+    for i, seg in enumerate(segments(records)[1:]):  # a new attempt or world size: where its records begin
+        first = seg[0]
+        ax.axvline(first["step"], **style, label="restart or world size change" if i == 0 else None)
+        ax.annotate(f"world size {first['world_size']}", (first["step"], 1), xycoords=("data", "axes fraction"),
+                    rotation=90, va="top", ha="right", fontsize="small", color=style["color"])
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend(loc="best", fontsize="small")
+    ax.set_title("loss by step")
+    return _save(fig, path)
+
+
 def plot_step_breakdown(breakdowns: dict[int, dict[str, float]], path: Path) -> Path:
     """One stacked bar per world size: milliseconds per step in each phase."""
     plt = _pyplot()

@@ -115,7 +115,7 @@ def plots_available() -> bool:
 
 
 NO_MATPLOTLIB = "matplotlib is not installed (pip install matplotlib)"
-RUN_PLOTS = ("loss_throughput.png", "step_time.png", "throughput_vs_world_size.png", "goodput.png")
+RUN_PLOTS = ("loss_by_step.png", "loss_throughput.png", "step_time.png", "throughput_vs_world_size.png", "goodput.png")
 
 
 def write_plots(report: dict[str, Any], run_dir: Path, metrics: list[dict[str, Any]], t0: float) -> list[str]:
@@ -130,6 +130,11 @@ def write_plots(report: dict[str, Any], run_dir: Path, metrics: list[dict[str, A
     report["plots_skipped"] = skipped = {}
     if not metrics:
         skipped["loss_throughput.png"] = "no metrics records in metrics.jsonl"
+    if not any(m.get("loss") is not None for m in metrics):
+        skipped["loss_by_step.png"] = "no loss in metrics.jsonl"
+    else:
+        plots.plot_loss_by_step(metrics, run_dir / "loss_by_step.png")
+        written.append("loss_by_step.png")
     if not report["step_time_by_world_size"]:
         skipped["step_time.png"] = "no step-time breakdown recorded (the built-in trainer and the elastic API record it)"
     if len(report["throughput"]["by_world_size"]) <= 1:
@@ -213,6 +218,10 @@ def format_markdown(report: dict[str, Any], t0: float) -> str:
         mttrs = ", ".join(f"{r['mttr_s']:.1f} s" for r in report["recoveries"])
         lines.append(f"| recoveries | {len(report['recoveries'])}, MTTR {mttrs} |")
     plots = set(report["plots"])
+    if "loss_by_step.png" in plots:
+        lines += ["", "## Loss by step", "", "![loss by step](loss_by_step.png)", "",
+                  "Raw (light) and smoothed loss against the optimizer step; vertical lines where a restart or a "
+                  "world size change began."]
     if "loss_throughput.png" in plots:
         lines += ["", "## Loss and throughput", "", "![loss and throughput over time](loss_throughput.png)", "",
                   "Vertical lines: checkpoints (green, dotted), preemptions (red, dashed), lost nodes (orange), "
