@@ -24,6 +24,7 @@ import os
 import resource
 import tempfile
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 TARGETS = {"2": 0.6, "4": 0.35}
@@ -131,6 +132,5 @@ def main_memory_bench(out: str | None, preset: str, world_sizes: Sequence[int], 
         print(f"  fsdp2/ddp state per rank at world {world}: {ratio:.3f}{verdict}; peak RSS "
               f"{result['fsdp2_over_ddp_peak_rss'][world]:.3f}")
     if out:
-        with open(out, "w") as f:
-            json.dump(result, f, indent=2)
+        Path(out).write_text(json.dumps(result, indent=2) + "\n")
     return result
