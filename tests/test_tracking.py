@@ -274,11 +274,15 @@ def test_launch_logs_to_tensorboard_and_mlflow(tmp_path, file_store_readable):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     logged = {m["step"]: m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl")}
     assert sorted(logged) == STEPS
-    assert tensorboard_scalars(run_dir / "tensorboard", "loss") == pytest.approx(logged, rel=1e-6)
+    assert tensorboard_scalars(run_dir / "tensorboard", "train/loss") == pytest.approx(logged, rel=1e-6)
+    assert tensorboard_scalars(run_dir / "tensorboard", "summary/steps_completed") == {10: 10.0}
     client, run = mlflow_run((run_dir / "mlruns").as_uri())
-    history = client.get_metric_history(run.info.run_id, "loss")
+    history = client.get_metric_history(run.info.run_id, "train/loss")
     assert {m.step: m.value for m in history} == pytest.approx(logged)
     assert run.info.status == "FINISHED" and run.data.params["trainer.max_steps"] == "10"
+    assert run.data.metrics["summary/succeeded"] == 1.0 and 0 < run.data.metrics["goodput/goodput"] < 1
+    assert not [k for k in run.data.params if k.startswith("k8s.")], "a local launch: no Kubernetes keys"
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"config.yaml", "summary.json"}
 
 
 def test_records_get_the_ecosystems_names_and_params_only_what_matters(monkeypatch):
