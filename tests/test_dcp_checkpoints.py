@@ -207,3 +207,24 @@ def test_a_failed_shard_write_commits_nothing(tmp_path, monkeypatch, async_save)
     assert "\n" not in str(failed.value) and "rank 0: OSError: disk on fire" in str(failed.value)
     assert "checkpoint_failed" in events and "checkpoint_saved" not in events
     assert not os.path.isdir(url) or not os.listdir(url), "the step's files are removed"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("refuse_on_call", [1, 2])
+def test_a_fenced_dcp_save_commits_nothing(tmp_path, refuse_on_call):
+    """The fence is asked before anything is written and again right before the manifest: a refusal at either
+    commits nothing and leaves no files."""
+    from orchestrator.checkpoint import CheckpointFenced
+
+    url = str(tmp_path / "ckpt")
+    ckpt, state = lone_session(url)
+    calls = []
+
+    def fence():
+        calls.append(1)
+        return "the lease is run other's" if len(calls) == refuse_on_call else None
+
+    ckpt.manager._fence = fence
+    with pytest.raises(CheckpointFenced, match="refused, nothing committed"):
+        ckpt.save()
+    assert CheckpointManager(url).list() == [] and (not os.path.isdir(url) or not os.listdir(url))

@@ -112,14 +112,15 @@ class DcpEngine:
         t0 = time.perf_counter()
         self.wait()
         opened: Any = None
+        refused: Optional[CheckpointError] = None
         if self.ctx.is_main:
             try:
                 opened = self.manager.open_step(step)
-            except CheckpointError as e:
-                opened = {"error": str(e)}
+            except CheckpointError as e:  # CheckpointFenced included: rank 0 raises it as it is
+                opened, refused = {"error": str(e)}, e
         opened = self.comm.broadcast_object(opened)
         if isinstance(opened, dict):
-            raise CheckpointError(opened["error"])
+            raise refused or CheckpointError(opened["error"])
         if opened is None:
             return time.perf_counter() - t0  # committed on an object store already: see open_step
         dirname = opened
@@ -206,7 +207,7 @@ class DcpEngine:
             except Exception as e:  # noqa: BLE001
                 error = self._describe(e)
         reports = self.comm.all_gather_object({"error": error, "files": files}, self.ctx.world_size, group)
-        outcome = None
+        outcome, failure = None, None
         if self.ctx.is_main:
             errors = [r["error"] for r in reports if r["error"]]
             try:
@@ -218,12 +219,13 @@ class DcpEngine:
                 entries.update(self.manager.write_payloads(dirname, payloads))
                 self.manager.commit_step(step, dirname, entries, metadata or {}, stall_s=stall_s,
                                          write_s=time.perf_counter() - t0, is_async=is_async)
-            except CheckpointError as e:
-                outcome = str(e)
+            except CheckpointError as e:  # CheckpointFenced included: rank 0 keeps its type
+                outcome, failure = str(e), e
             except Exception as e:  # noqa: BLE001
-                outcome = str(self.manager.abort_step(step, dirname, f"{type(e).__name__}: {e}", is_async))
+                failure = self.manager.abort_step(step, dirname, f"{type(e).__name__}: {e}", is_async)
+                outcome = str(failure)
         outcome = self.comm.broadcast_object(outcome, group)
-        return CheckpointError(outcome) if outcome else None
+        return (failure or CheckpointError(outcome)) if outcome else None
 
     def _hash_files(self, dirname: str, wanted: Any) -> dict[str, list[Any]]:
         storage = self.manager.storage
