@@ -75,10 +75,11 @@ def test_fsdp2_and_hsdp_train_like_ddp_on_two_gloo_ranks(tmp_path):
              {"overrides": ["parallelism=fsdp2", "parallelism.activation_checkpointing=true",
                             "parallelism.reshard_after_forward=false"]},
              {"overrides": ["parallelism=fsdp2", "amp.enabled=true", "amp.dtype=fp16"]},
+             {"overrides": ["parallelism=fsdp2", "trainer.compile=true"]},  # each block compiled, then sharded
              {"overrides": ["parallelism=fsdp2", "parallelism.shard_modules=[Block]"], "expect_error": True}]
-    ddp, fsdp2, hsdp, replicated, checkpointed, fp16, bad = run_ranks(2, str(tmp_path), cases)
+    ddp, fsdp2, hsdp, replicated, checkpointed, fp16, compiled, bad = run_ranks(2, str(tmp_path), cases)
     assert ddp["losses"][-1] < ddp["losses"][0] and len(fsdp2["sha"]) == 64  # it learns; a sharded model hashes
-    for sharded in (fsdp2, hsdp, replicated, checkpointed):
+    for sharded in (fsdp2, hsdp, replicated, checkpointed, compiled):
         assert sharded["losses"] == pytest.approx(ddp["losses"], rel=1e-4)
         assert sharded["norms"] == pytest.approx(ddp["norms"], rel=1e-4)
     # Each rank holds half the parameters (a dim-0 shard of each; an odd row count rounds up on rank 0).
