@@ -91,3 +91,24 @@ def test_the_eta_after_a_restart_comes_from_the_new_attempts_step_time_not_the_g
     state.update([{"t": 10.0, "step": 190, "world_size": 2, "restart_count": 0, "step_time_s": 0.01},
                   {"t": 40.0, "step": 200, "world_size": 2, "restart_count": 1, "step_time_s": 0.01}], [])
     assert state.eta_s == 28.0, "2800 steps at the new attempt's 10 ms, not 10 steps per 30 s of restart"
+
+
+def test_a_terminal_gets_a_progress_bar_once_the_total_is_known():
+    import io
+
+    from rich.console import Console
+
+    from orchestrator.report.progress import ProgressState, render_live
+
+    def shown(state: ProgressState) -> str:
+        out = io.StringIO()
+        Console(file=out, width=160, force_terminal=True, color_system=None).print(render_live(state))
+        return out.getvalue()
+
+    state = ProgressState(max_steps=None, started_t=0.0)
+    assert "━" not in shown(state) and "starting" in shown(state)
+    state.update([{"t": 1.0, "step": 50, "loss": 1.0, "world_size": 2, "step_time_s": 0.1}],
+                 [{"t": 0.5, "event": "worker_started", "world_size": 2, "restart_count": 0, "step": 0,
+                   "max_steps": 100}])
+    text = shown(state)
+    assert "━" in text and "step 50/100 (50%)" in text, text

@@ -2,8 +2,9 @@
 
 The launcher process tails the run dir's metrics.jsonl and events.jsonl (only the bytes appended since
 the last poll, twice a second, on a daemon thread), so the workers pay nothing for it. On a terminal it is
-a rich live line under the streamed node output; when the output is not a terminal, or under CI (``$CI``
-set), it is a plain line at most every ``interval_s`` seconds, so captured output stays short.
+a rich live progress bar (once the total is known) and line under the streamed node output; when the output
+is not a terminal, or under CI (``$CI`` set), it is a plain line at most every ``interval_s`` seconds, so
+captured output stays short. The ETA comes from the current attempt's and world size's step time.
 """
 
 from __future__ import annotations
@@ -123,6 +124,21 @@ class _ConsoleEcho:
         return True
 
 
+def render_live(state: ProgressState):
+    """The live display of a terminal: a progress bar of step / max_steps (once both are known) before the line."""
+    from rich.table import Table
+    from rich.text import Text
+
+    line = Text(state.line(), style="bold")
+    if not state.max_steps or state.step is None:
+        return line
+    from rich.progress_bar import ProgressBar
+
+    grid = Table.grid(padding=(0, 1))
+    grid.add_row(ProgressBar(total=state.max_steps, completed=min(state.step, state.max_steps), width=30), line)
+    return grid
+
+
 class RunProgress:
     """Shows a launch's progress on ``stream`` while used as a context manager.
 
@@ -171,9 +187,7 @@ class RunProgress:
         return self.state.update(self._metrics.read_new(), self._events.read_new())
 
     def _render(self):
-        from rich.text import Text
-
-        return Text(self.state.line(), style="bold")
+        return render_live(self.state)
 
     def _run(self) -> None:
         last_print, changed = time.monotonic(), False
