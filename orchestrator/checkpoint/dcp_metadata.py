@@ -21,8 +21,8 @@ from torch.distributed.checkpoint import metadata as dcp_meta
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.planner import LoadItemType
 
-METADATA_NAME = ".metadata"
-SHARD_SUFFIX = ".distcp"
+from .manifest import DCP_INDEX as METADATA_NAME
+from .manifest import DCP_SHARD_SUFFIX as SHARD_SUFFIX
 
 _ALLOWED: dict[str, tuple[str, ...]] = {
     "torch.distributed.checkpoint.metadata": ("Metadata", "TensorStorageMetadata", "TensorProperties",

@@ -8,8 +8,8 @@ import json
 from orchestrator.errors import UserError
 
 from .manager import CheckpointManager
-from .dcp_metadata import METADATA_NAME, SHARD_SUFFIX
-from .manifest import DCP_FORMAT, MANIFEST_NAME, ManifestError, check_checksum, parse_manifest
+from .manifest import (DCP_FORMAT, DCP_INDEX, DCP_SHARD_SUFFIX, MANIFEST_NAME, ManifestError, check_checksum,
+                       parse_manifest)
 from .storage import STEP_DIR_RE, step_dirname
 
 
@@ -82,9 +82,9 @@ def inspect_checkpoint(url_or_step_url: str) -> tuple[str, str | None]:
         f"step: {manifest.step}  format_version: {manifest.format_version}  format: {manifest.format}  "
         f"created: {_fmt_time(manifest.created_t)}  valid: {'yes' if problem is None else f'no ({problem})'}"
     )
-    shards = sorted(f for f in manifest.files if f.endswith(SHARD_SUFFIX))
+    shards = sorted(f for f in manifest.files if f.endswith(DCP_SHARD_SUFFIX))
     lines.append(f"engine: {engine_of(manifest.format)}  world_size: {manifest.metadata.get('world_size', '-')}"
-                 + (f"  DCP shards: {len(shards)} (+ {METADATA_NAME})" if manifest.format == DCP_FORMAT else ""))
+                 + (f"  DCP shards: {len(shards)} (+ {DCP_INDEX})" if manifest.format == DCP_FORMAT else ""))
     if manifest.run_id is not None:
         resumed = manifest.resumed_from
         lines.append(f"run: {manifest.run_id}  lineage: {' > '.join(manifest.lineage)}  resumed from: "

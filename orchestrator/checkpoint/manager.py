@@ -37,6 +37,8 @@ from orchestrator.events import (CheckpointFailed, CheckpointRetentionFailed, Ch
 from .errors import CheckpointError, CheckpointFenced, CheckpointSetupError
 from .manifest import (
     DCP_FORMAT,
+    DCP_INDEX,
+    DCP_SHARD_SUFFIX,
     MANIFEST_NAME,
     PAYLOAD_FORMATS,
     FileEntry,
@@ -647,16 +649,14 @@ def _safetensors_files(obj: Any) -> list[tuple[str, Any]]:
 
 
 def _is_dcp_file(fname: str) -> bool:
-    from .dcp_metadata import METADATA_NAME, SHARD_SUFFIX
-
-    return fname == METADATA_NAME or fname.endswith(SHARD_SUFFIX)
+    return fname == DCP_INDEX or fname.endswith(DCP_SHARD_SUFFIX)
 
 
 def _check_dcp_file(fname: str, data: bytes) -> None:
     """A DCP checkpoint's index must read back safely (its checksum is verified already); shards are DCP's."""
-    from .dcp_metadata import METADATA_NAME, UnsafeCheckpoint, parse_metadata
+    from .dcp_metadata import UnsafeCheckpoint, parse_metadata  # torch DCP: imported when a DCP index is read
 
-    if fname == METADATA_NAME:
+    if fname == DCP_INDEX:
         try:
             parse_metadata(data)
         except UnsafeCheckpoint as e:

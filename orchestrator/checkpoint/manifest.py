@@ -26,6 +26,8 @@ FORMAT_VERSION = 1
 PAYLOAD_FORMATS = ("torch", "safetensors")
 DCP_FORMAT = "dcp"  # model and optimizer as torch DCP shards (every rank's), the rest as safetensors + JSON
 MANIFEST_FORMATS = (*PAYLOAD_FORMATS, DCP_FORMAT)
+DCP_INDEX = ".metadata"  # a dcp checkpoint's DCP files: the index (read safely, dcp_metadata.py) and the shards
+DCP_SHARD_SUFFIX = ".distcp"
 _LATEST_T = 4102444800.0  # 2100-01-01: a created_t beyond it is not a time this manifest was written at
 
 
