@@ -37,20 +37,31 @@ def _save(fig, path: Path) -> Path:
 
 
 def plot_timeline(metrics: list[dict[str, Any]], markers: list[dict[str, Any]], world_sizes: list[tuple[float, int]],
-                  t0: float, path: Path, recoveries: Sequence[dict[str, Any]] = ()) -> Path:
-    """Loss (top) and samples/s with the world size (bottom) against seconds since launch; vertical lines at
-    ``markers`` (``{"t", "kind", "label"}``); ``world_sizes`` is ``[(t, world_size), ...]`` in time order;
-    each recovery (``{"lost_t", "recovered_t"}``) is shaded. Lines break between attempts."""
+                  t0: float, path: Path, recoveries: Sequence[dict[str, Any]] = (),
+                  gaps: Sequence[tuple[float, float, str]] = ()) -> Path:
+    """Loss, raw and smoothed (top), and samples/s with the world size (bottom) against seconds since launch.
+    ``gaps`` (``(start_t, end_t, cause)``: the time between attempts, goodput's) are shaded and named, each
+    recovery (``{"lost_t", "recovered_t"}``) too; ``markers`` (``{"t", "kind", "label"}``) are vertical lines,
+    except checkpoints, which are ticks along the bottom (dozens of lines would make a band); ``world_sizes`` is
+    ``[(t, world_size), ...]`` in time order. Lines break between attempts; the legend sits outside the axes."""
     from orchestrator.report.efficiency import segments
 
     plt = _pyplot()
-    fig, (ax_loss, ax_tput) = plt.subplots(2, 1, sharex=True, figsize=(10, 6))
+    fig, (ax_loss, ax_tput) = plt.subplots(2, 1, sharex=True, figsize=(11, 6))
     x = [m["t"] - t0 for m in metrics]
-    for seg in segments(metrics):
+    for i, seg in enumerate(segments(metrics)):
         seg_x = [m["t"] - t0 for m in seg]
-        ax_loss.plot(seg_x, [m["loss"] for m in seg], marker=".", color="tab:blue")
+        losses = [m["loss"] if m.get("loss") is not None else float("nan") for m in seg]
+        ax_loss.plot(seg_x, losses, color="tab:blue", alpha=0.3, label="loss" if i == 0 else None)
+        ax_loss.plot(seg_x, smoothed(losses), color="tab:blue", label="loss (smoothed)" if i == 0 else None)
         ax_tput.plot(seg_x, [m.get("samples_per_s") or float("nan") for m in seg], marker=".", color="tab:cyan")
     ax_loss.set_ylabel("loss")
+    for i, (start, end, cause) in enumerate(gaps):
+        for ax in (ax_loss, ax_tput):
+            ax.axvspan(start - t0, end - t0, color="tab:gray", alpha=0.15,
+                       label="between attempts" if ax is ax_loss and i == 0 else None)
+        ax_loss.annotate(cause, ((start + end) / 2 - t0, 1), xycoords=("data", "axes fraction"), ha="center",
+                         va="bottom", fontsize="small", color="dimgray")
     for i, r in enumerate(recoveries):
         for ax in (ax_loss, ax_tput):
             ax.axvspan(r["lost_t"] - t0, r["recovered_t"] - t0, color="tab:orange", alpha=0.12,
@@ -69,11 +80,16 @@ def plot_timeline(metrics: list[dict[str, Any]], markers: list[dict[str, Any]], 
     seen: set[str] = set()
     for m in markers:
         style = MARKER_STYLE.get(m["kind"], {"color": "black", "linestyle": "-"})
-        for ax in (ax_loss, ax_tput):
-            ax.axvline(m["t"] - t0, **style, label=m["kind"] if ax is ax_loss and m["kind"] not in seen else None)
+        label = m["kind"] if m["kind"] not in seen else None
+        if m["kind"] == "checkpoint":
+            for ax in (ax_loss, ax_tput):
+                ax.axvline(m["t"] - t0, ymax=0.04, color=style["color"], linewidth=1.0,
+                           label=label if ax is ax_loss else None)
+        else:
+            for ax in (ax_loss, ax_tput):
+                ax.axvline(m["t"] - t0, **style, label=label if ax is ax_loss else None)
         seen.add(m["kind"])
-    if seen or recoveries:
-        ax_loss.legend(loc="upper right", fontsize="small")
+    ax_loss.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     ax_loss.set_title("loss and throughput over time")
     return _save(fig, path)
 

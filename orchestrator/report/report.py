@@ -15,6 +15,7 @@ from typing import Any, Optional
 from orchestrator.errors import UserError
 from orchestrator.report import efficiency as eff
 from orchestrator.rundir import EVENTS_FILE, EventName, METRICS_FILE, check_events, read_jsonl
+from orchestrator.report.goodput import launch_start
 from orchestrator.report.summary import build_summary
 from orchestrator.rundir import latest_launch
 
@@ -118,6 +119,17 @@ NO_MATPLOTLIB = "matplotlib is not installed (pip install matplotlib)"
 RUN_PLOTS = ("loss_by_step.png", "loss_throughput.png", "step_time.png", "throughput_vs_world_size.png", "goodput.png")
 
 
+def attempt_gaps(report: dict[str, Any]) -> list[tuple[float, float, str]]:
+    """Goodput's gaps between attempts (a restart's, a preemption's, a failure's), as ``(start_t, end_t, cause)``
+    in unix seconds; the first attempt's start-up (cause ``launch``) too."""
+    goodput = report.get("goodput") or {}
+    start = report.get("launch_t")
+    if not goodput.get("attempts") or start is None:
+        return []
+    return [(start + a["at_s"], start + a["at_s"] + a["gap_s"], a["cause"]) for a in goodput["attempts"]
+            if a.get("gap_s", 0) > 0]
+
+
 def write_plots(report: dict[str, Any], run_dir: Path, metrics: list[dict[str, Any]], t0: float) -> list[str]:
     """Draw every plot the report has data for; returns the file names written. The others are named in
     ``report["plots_skipped"]`` (``{file: why}``)."""
@@ -144,7 +156,7 @@ def write_plots(report: dict[str, Any], run_dir: Path, metrics: list[dict[str, A
     if metrics:
         changes = [(c["t"], c["world_size"]) for c in report["world_size_changes"]]
         plots.plot_timeline(metrics, report["markers"], changes, t0, run_dir / "loss_throughput.png",
-                            report["recoveries"])
+                            report["recoveries"], attempt_gaps(report))
         written.append("loss_throughput.png")
     if report["step_time_by_world_size"]:
         plots.plot_step_breakdown({int(k): v for k, v in report["step_time_by_world_size"].items()},
@@ -169,7 +181,8 @@ def write_report(run_dir: str | Path, baseline: Optional[str | Path] = None, war
         return write_scaling_report(run_dir)
     report = build_report(run_dir, baseline, warmup_steps)
     events, metrics = launch_records(run_dir)
-    t0 = events[0]["t"] if events else (metrics[0]["t"] if metrics else 0.0)
+    report["launch_t"] = launch_start(events)  # the command's start: goodput's attempts count from it, plots too
+    t0 = report["launch_t"] or (events[0]["t"] if events else (metrics[0]["t"] if metrics else 0.0))
     report["plots"] = write_plots(report, run_dir, metrics, t0)
     return _write(run_dir, report, format_markdown(report, t0))
 
@@ -224,9 +237,10 @@ def format_markdown(report: dict[str, Any], t0: float) -> str:
                   "world size change began."]
     if "loss_throughput.png" in plots:
         lines += ["", "## Loss and throughput", "", "![loss and throughput over time](loss_throughput.png)", "",
-                  "Vertical lines: checkpoints (green, dotted), preemptions (red, dashed), lost nodes (orange), "
-                  "worker restarts (purple); shaded: recoveries (loss to first step after it); the grey step line "
-                  "is the world size."]
+                  "Seconds since the launch command started. Shaded grey and named: the gaps between attempts "
+                  "(launch, failure, preemption, restart); orange: recoveries (loss to first step after it). "
+                  "Vertical lines: preemptions (red, dashed), lost nodes (orange), worker restarts (purple); "
+                  "green ticks: checkpoints; the grey step line is the world size."]
     lines += _throughput_section(report)
     lines += _step_time_section(report)
     lines += _events_section(report, t0)
