@@ -64,5 +64,5 @@ def test_wheel_from_a_clean_copy_runs_outside_the_repo(tmp_path):
     assert "launch plan for preset 'cpu_gloo'" in planned.stdout
     assert f"run dir:      {elsewhere}/runs/cpu_gloo/" in planned.stdout
     helped = run(venv / "bin" / "orch", "launch", "--help", cwd=elsewhere)
-    assert "bert8gpu, cpu_elastic, cpu_gloo" in helped.stdout
+    assert "bert8gpu, bert8gpu_fsdp, cpu_elastic, cpu_fsdp, cpu_gloo" in helped.stdout
     assert not (elsewhere / "runs").exists()  # a dry run writes nothing
