@@ -7,6 +7,7 @@ and every descendant, found through the process table (psutil), never by name.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,20 @@ from pathlib import Path
 from typing import Callable, Optional, TextIO
 
 import psutil
+
+_WORKER_LINE = re.compile(r"^\[node\d+-local(\d+)\]:(?:\[rank(\d+)\] )?")
+
+
+def echo_line(node: int | str, line: str) -> str:
+    """A node's log line as the terminal shows it, with one short prefix: ``[node1 rank0] step 5/40 ...`` for a
+    worker's line (torchrun's ``[node1-local0]:`` and the worker's own ``[rank0]`` folded in; ``[node1 local0]``
+    where the worker did not say its rank), ``[node1] ...`` for the agent's own. The node log keeps the line as
+    written."""
+    match = _WORKER_LINE.match(line)
+    if match is None:
+        return f"[node{node}] {line}"
+    who = f"rank{match.group(2)}" if match.group(2) is not None else f"local{match.group(1)}"
+    return f"[node{node} {who}] {line[match.end():]}"
 
 
 def process_tree(pid: int) -> list[psutil.Process]:
@@ -95,13 +110,12 @@ class NodeProcess:
         return self.proc.pid
 
     def _stream(self, echo: Optional[TextIO], on_line) -> None:
-        prefix = f"[node{self.node}] "
         with self.log_path.open("a") as log:
             for line in self.proc.stdout:
                 log.write(line)
                 log.flush()
                 if echo is not None:
-                    echo.write(prefix + line)
+                    echo.write(echo_line(self.node, line))
                     echo.flush()
                 if on_line is not None:
                     on_line(self.node, line)

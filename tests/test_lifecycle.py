@@ -59,7 +59,7 @@ def test_detached_launch_survives_its_terminal_then_status_logs_stop_resume(tmp_
         wait_for(lambda: step() > first, 60, "the step count to grow", interval=1.0)
 
         logs = orch_here(capsys, "logs", run_id)
-        assert logs.returncode == 0 and "[rank0] step " in logs.stdout, logs.stderr
+        assert logs.returncode == 0 and " rank0] step " in logs.stdout, logs.stderr  # [nodeN rank0] step ...
         node_log = orch_here(capsys, "logs", run_id, "--node", "1")
         assert node_log.returncode == 0 and "world size 2" in node_log.stdout, node_log.stderr
         table = orch_here(capsys, "status")  # every run the user launched, wherever its run dir is

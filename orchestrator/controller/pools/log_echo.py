@@ -1,4 +1,5 @@
-"""Echo the node logs of a run (``RUN_DIR/logs/nodeN.log``) to the console, each line prefixed ``[nodeN]``.
+"""Echo the node logs of a run (``RUN_DIR/logs/nodeN.log``) to the console, each line with one short prefix
+(``[nodeN rankR]``: orchestrator/processes.py ``echo_line``).
 
 Node agents write their torchrun output into the run dir wherever they run; the driver follows the files,
 so ``orch launch`` shows the same live output under Ray as under the local launcher.
@@ -10,6 +11,8 @@ import re
 import threading
 from pathlib import Path
 from typing import Optional, TextIO
+
+from orchestrator.processes import echo_line
 
 NODE_LOG = re.compile(r"node(\d+)\.log$")
 
@@ -52,7 +55,6 @@ class LogEcho:
             if not complete:
                 continue
             self._offsets[path] = self._offsets.get(path, 0) + len(complete)
-            prefix = f"[node{match.group(1)}] "
             text = complete.decode(errors="replace")
-            self.echo.write("".join(prefix + line for line in text.splitlines(keepends=True)))
+            self.echo.write("".join(echo_line(match.group(1), line) for line in text.splitlines(keepends=True)))
             self.echo.flush()
