@@ -199,6 +199,15 @@ def test_batch_checks_apply_only_to_the_builtin_trainer(tmp_path, capsys):
     assert "trainer.global_batch_size" in capsys.readouterr().err
 
 
+def test_the_dry_run_shows_the_optimizer_and_the_scheduler(tmp_path, capsys):
+    from orchestrator.cli import main
+
+    assert main(["launch", "conf=cpu_gloo", "optim.lr=0.01", f"run.dir={tmp_path / 'run'}", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "  optim:        target=torch.optim.AdamW, lr=0.01, betas=[0.9, 0.999], weight_decay=0.01" in out, out
+    assert "  scheduler:    target=orchestrator.runtime.schedule.warmup_cosine, warmup_steps=5, total_steps=40" in out
+
+
 def test_run_dir_interpolations_in_entrypoint_args_see_the_final_run_dir(tmp_path, monkeypatch):
     from orchestrator.launch import compose_for_launch
     from orchestrator.plan.plan import build_plan

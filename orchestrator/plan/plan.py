@@ -199,6 +199,8 @@ def build_plan(cfg: OrchConfig, run_dir: str, run_id: str, store_port: Optional[
         "trainer": {"max_steps": cfg.trainer.max_steps, "global_batch_size": cfg.trainer.global_batch_size,
                     "micro_batch_size": cfg.trainer.micro_batch_size},
         "model": {"target": cfg.model.get("_target_")},
+        "optim": _target_settings(cfg.optim),
+        "scheduler": _target_settings(cfg.scheduler),
     }
     return LaunchPlan(
         preset=cfg.preset, run_id=run_id, run_dir=run_dir, launcher=cfg.launcher, backend=cfg.backend.name,
@@ -207,6 +209,12 @@ def build_plan(cfg: OrchConfig, run_dir: str, run_id: str, store_port: Optional[
         entrypoint=entrypoint_argv(cfg, run_dir), settings=settings, nodes=tuple(nodes),
         notes=tuple(mode.plan_notes()),
     )
+
+
+def _target_settings(group: Any) -> dict[str, Any]:
+    """A ``_target_`` group (``optim``, ``scheduler``) as the plan shows it: its class, then its arguments."""
+    values = dict(group or {})
+    return {"target": values.pop("_target_", None), **values}
 
 
 def parallelism_settings(cfg: OrchConfig) -> dict[str, Any]:
