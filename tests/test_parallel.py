@@ -26,7 +26,8 @@ def test_presets_pick_their_strategy_and_every_preset_has_one():
         model = BertMLM(**{k: v for k, v in fsdp.model.items() if k != "_target_"})
     assert 20e6 < sum(p.numel() for p in model.parameters()) < 40e6  # a few tens of millions
     gpu = compose_config("bert8gpu_fsdp")
-    assert (gpu.parallelism.strategy, gpu.amp.enabled, gpu.amp.dtype, gpu.backend.name) == ("fsdp2", True, "bf16", "nccl")
+    assert (gpu.parallelism.strategy, gpu.amp.enabled, gpu.amp.dtype, gpu.backend.name) == \
+        ("fsdp2", True, "bf16", "nccl")
     assert compose_config("cpu_gloo", ["parallelism=hsdp"]).parallelism.strategy == "hsdp"
     assert {type(strategy_for(compose_config("cpu_gloo", [f"parallelism={s}"]))).__name__ for s in STRATEGIES} == \
         {"DDPStrategy", "FSDP2Strategy", "HSDPStrategy"}
@@ -41,7 +42,8 @@ def test_presets_pick_their_strategy_and_every_preset_has_one():
 def test_combinations_that_cannot_work_exit_2_with_one_line(tmp_path, capsys, args, key):
     result = orch_here(capsys, "launch", "conf=cpu_gloo", "launcher=local", f"run.dir={tmp_path}/run", *args)
     assert result.returncode == 2, result.stderr
-    assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"orch: error: {key}=") and "Fix:" in result.stderr
+    err = result.stderr
+    assert err.count("\n") == 1 and err.startswith(f"orch: error: {key}=") and "Fix:" in err
     assert not (tmp_path / "run").exists()
 
 
@@ -75,9 +77,11 @@ def test_fsdp2_and_hsdp_train_like_ddp_on_two_gloo_ranks(tmp_path):
              {"overrides": ["parallelism=fsdp2", "parallelism.activation_checkpointing=true",
                             "parallelism.reshard_after_forward=false"]},
              {"overrides": ["parallelism=fsdp2", "amp.enabled=true", "amp.dtype=fp16"]},
+             {"overrides": ["parallelism=fsdp2", "amp.enabled=true", "amp.dtype=bf16"]},  # bf16 params, fp32 reduce
+             {"overrides": ["parallelism=ddp", "amp.enabled=true", "amp.dtype=bf16"]},
              {"overrides": ["parallelism=fsdp2", "trainer.compile=true"]},  # each block compiled, then sharded
              {"overrides": ["parallelism=fsdp2", "parallelism.shard_modules=[Block]"], "expect_error": True}]
-    ddp, fsdp2, hsdp, replicated, checkpointed, fp16, compiled, bad = run_ranks(2, str(tmp_path), cases)
+    ddp, fsdp2, hsdp, replicated, checkpointed, fp16, bf16, ddp_bf16, compiled, bad = run_ranks(2, str(tmp_path), cases)
     assert ddp["losses"][-1] < ddp["losses"][0] and len(fsdp2["sha"]) == 64  # it learns; a sharded model hashes
     for sharded in (fsdp2, hsdp, replicated, checkpointed, compiled):
         assert sharded["losses"] == pytest.approx(ddp["losses"], rel=1e-4)
@@ -87,6 +91,7 @@ def test_fsdp2_and_hsdp_train_like_ddp_on_two_gloo_ranks(tmp_path):
     assert fsdp2["mesh"] == [2] and hsdp["mesh"] == [1, 2] and hsdp["mesh_dims"] == ["replicate", "shard"]
     assert replicated["mesh"] == [2, 1] and replicated["local_numel"] == replicated["numel"]
     assert fp16["scaler"] == "ShardedGradScaler" and fp16["losses"] == pytest.approx(ddp["losses"], rel=1e-2)
+    assert bf16["scaler"] == "GradScaler" and bf16["losses"] == pytest.approx(ddp_bf16["losses"], rel=1e-2)
     assert bad["error"].startswith("ConfigError: parallelism.shard_modules=['Block'] names no module of BertMLM")
 
 
@@ -94,8 +99,8 @@ def test_fsdp2_and_hsdp_train_like_ddp_on_two_gloo_ranks(tmp_path):
 @pytest.mark.timeout(300)
 def test_cpu_fsdp_launch_trains_on_two_nodes(tmp_path):
     run_dir = tmp_path / "run"
-    result = run_orch("launch", "conf=cpu_fsdp", "cluster.nnodes=2", "trainer.max_steps=4", "checkpoint.every_n_steps=0",
-                      "hang.enabled=false", f"run.dir={run_dir}", timeout=280)
+    result = run_orch("launch", "conf=cpu_fsdp", "cluster.nnodes=2", "trainer.max_steps=4",
+                      "checkpoint.every_n_steps=0", "hang.enabled=false", f"run.dir={run_dir}", timeout=280)
     assert result.returncode == 0, result.stderr[-3000:]
     s = summary(run_dir)
     assert s["status"] == "succeeded" and s["steps_completed"] == 4

@@ -4,7 +4,8 @@ built on it too.
     import orchestrator.elastic as elastic
 
     with elastic.init() as session:                       # config, process group, run dir
-        model, optim = build()
+        model = session.wrap(build_model())               # parallelism.strategy: DDP, or FSDP2 per block
+        optim = torch.optim.AdamW(model.parameters())     # over the wrapped module's parameters
         session.register(model=model, optim=optim)        # what checkpoints hold
         session.restore()                                 # newest valid checkpoint, if any
         sampler = session.global_batch_sampler(len(data), global_batch=24, micro_batch=4)
