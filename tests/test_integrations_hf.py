@@ -311,3 +311,38 @@ def test_an_accelerate_loop_with_the_documented_session_saves_on_sigterm_and_res
     resumed = int(next(line.split()[1] for line in out.splitlines() if line.startswith("restored")))
     assert third.returncode == 0 and resumed in (5, 6), out
     assert f"step {resumed + 1}" in out and f"step {resumed}\n" not in out, "only the missing steps are trained"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_accumulation_under_orch_trains_the_standalone_curve(tmp_path, monkeypatch):
+    """Gradients, not only the logged loss: the example's model under orch's arguments at world 1 (accumulation
+    6 x micro 4, from cpu_elastic's global batch 24) trains the same loss curve as one batch of 24 without
+    accumulation (the same samples in the same order), step for step. Before averages_its_own_loss, each
+    step's loss and gradients were 6 x as large and the curve differed."""
+    import torch
+    from transformers import BertConfig, BertForMaskedLM, Trainer
+
+    sys.path.insert(0, str(REPO / "examples"))
+    from hf_trainer import SEQ, VOCAB, SyntheticTokens
+
+    def curve(**args) -> list[float]:
+        torch.manual_seed(0)
+        model = hf.averages_its_own_loss(BertForMaskedLM(BertConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=SEQ, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)))  # no RNG
+        trainer = Trainer(model=model, args=TrainingArguments(
+            output_dir=str(tmp_path / "out"), max_steps=6, logging_steps=1, learning_rate=1e-3, save_strategy="no",
+            report_to="none", use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0, **args),
+            train_dataset=SyntheticTokens(num_samples=256))
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    monkeypatch.setenv("ORCH_RUN_DIR", str(tmp_path))
+    run_config(tmp_path)
+    orch = hf.orch_training_args()
+    assert (orch.per_device_train_batch_size, orch.gradient_accumulation_steps) == (4, 6)
+    under_orch = curve(per_device_train_batch_size=4, gradient_accumulation_steps=6)
+    standalone = curve(per_device_train_batch_size=24, gradient_accumulation_steps=1)
+    assert under_orch == pytest.approx(standalone, rel=1e-4), (under_orch, standalone)
+    assert 4.0 < under_orch[0] < 5.5, "a first loss near ln(128), not 6 x it"
