@@ -83,6 +83,7 @@ def test_fsdp2_and_hsdp_train_like_ddp_on_two_gloo_ranks(tmp_path):
              {"overrides": ["parallelism=fsdp2", "parallelism.shard_modules=[Block]"], "expect_error": True}]
     ddp, fsdp2, hsdp, replicated, checkpointed, fp16, bf16, ddp_bf16, compiled, bad = run_ranks(2, str(tmp_path), cases)
     assert ddp["losses"][-1] < ddp["losses"][0] and len(fsdp2["sha"]) == 64  # it learns; a sharded model hashes
+    assert checkpointed["sha"] == fsdp2["sha"]  # activation checkpointing recomputes the same numbers, same names
     for sharded in (fsdp2, hsdp, replicated, checkpointed, compiled):
         assert sharded["losses"] == pytest.approx(ddp["losses"], rel=1e-4)
         assert sharded["norms"] == pytest.approx(ddp["norms"], rel=1e-4)

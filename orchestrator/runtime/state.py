@@ -69,13 +69,14 @@ def unwrap(obj: Any) -> Any:
 def params_sha256(model: torch.nn.Module) -> str:
     """SHA-256 over parameter names and raw bytes in module order: equal only for bit-identical models. A sharded
     parameter (a DTensor, FSDP2) is hashed whole, so the hash does not depend on the strategy or the world size;
-    gathering it is a collective, so then every rank calls this."""
+    gathering it is a collective, so then every rank calls this. Names are the state dict's (an activation
+    checkpointing wrapper's prefix left out)."""
     from torch.distributed.tensor import DTensor
 
     h = hashlib.sha256()
     for name, p in model.named_parameters():
         tensor = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
-        h.update(name.encode())
+        h.update(name.replace("_checkpoint_wrapped_module.", "").encode())
         h.update(tensor.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
