@@ -392,11 +392,15 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _leave(code: int) -> None:
-    """Exit now that everything is written: the exit hooks run (Ray's shutdown, logging's flush), the interpreter's
-    teardown does not. torch's takes seconds (its native destructors) after the run has ended, which the command's
-    wall time would show and the run's ``wall_s`` would not."""
+    """Exit now that everything is written: non-daemon threads are joined and the exit hooks run (Ray's shutdown,
+    logging's flush), as at any exit; the interpreter's teardown does not. torch's takes seconds (its native
+    destructors) after the run has ended, which the command's wall time would show and ``wall_s`` would not."""
     import atexit
+    import threading
 
+    for thread in threading.enumerate():  # as the interpreter's own exit does first: non-daemon threads finish
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
