@@ -269,3 +269,15 @@ def test_a_users_script_on_the_elastic_api_runs_per_step_unchanged(tmp_path):
     assert len([e for e in evs if e["event"] == "training_finished"]) == 1
     steps = [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")]
     assert steps == sorted(set(steps)) and steps[-1] == 60, "one writer of metrics"
+    # The records are the job's, as in restart mode: each logged loss is the global batch's (averaged across
+    # the quorum's groups), so the same job in restart mode logs the same losses at the same steps.
+    restart_dir = tmp_path / "restart"
+    done = run_orch("launch", "conf=cpu_elastic", "launcher=local", "cluster.nnodes=2",
+                    "entrypoint.script=examples/elastic_train.py", "trainer.max_steps=60", "trainer.log_every=10",
+                    f"run.dir={restart_dir}", timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    per_step = {m["step"]: m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl")}
+    restart = {m["step"]: m["loss"] for m in read_jsonl(restart_dir / "metrics.jsonl")}
+    assert sorted(per_step) == sorted(restart) == list(range(10, 61, 10))
+    assert per_step == pytest.approx(restart, rel=1e-4), (per_step, restart)
+    assert s["final_loss"] == pytest.approx(summary(restart_dir)["final_loss"], rel=1e-4)

@@ -51,6 +51,20 @@ def test_throughput_and_efficiency_equal_the_hand_computation():
 
 
 @pytest.mark.timeout(30)
+def test_summary_keeps_the_final_loss_when_a_later_group_finishes_without_one(tmp_path):
+    """per_step: every finishing group records training_finished; one that never logged a step has no loss."""
+    from orchestrator.report.summary import build_summary
+    t = time.time()
+    events = [{"t": t, "event": "launch_started"},
+              {"t": t + 1, "event": "training_finished", "steps_completed": 400, "final_loss": 3.6116},
+              {"t": t + 2, "event": "training_finished", "steps_completed": 400, "final_loss": None},
+              {"t": t + 3, "event": "run_finished", "status": "succeeded"}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    s = build_summary(tmp_path)
+    assert s["final_loss"] == 3.6116 and s["steps_completed"] == 400
+
+
+@pytest.mark.timeout(30)
 def test_step_time_breakdown_is_the_step_weighted_mean():
     metrics = [
         _record(1.0, 2, 0.1, 2, data_s=0.1, compute_s=0.0, comm_s=0.0, optimizer_s=0.0, checkpoint_s=0.0, other_s=0.0),

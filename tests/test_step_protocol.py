@@ -108,10 +108,11 @@ def test_the_session_calls_the_protocol_at_fixed_points_and_redoes_a_discarded_s
     assert trained == [1, 2, 2, 3] and committed == [True, False, True, True], "step 2 was trained again"
     assert session.step == 3 and session.samples_consumed == 24, "a discarded step counts for nothing"
     attempt = ["begin_step", "sync_gradients", "end_step"]
+    record = ["window_rolled", "mean_across_groups"]  # a metrics record closes a window; its means are the job's
     assert scripted.calls == ["attach", "heal", "restored", "membership",
-                              *attempt, "window_rolled",  # step 1; a metrics record closes a window (log_every=1)
+                              *attempt, *record,  # step 1 (log_every=1)
                               *attempt,  # step 2, discarded: no record
-                              *attempt, "window_rolled", *attempt, "window_rolled", "shutdown"]
+                              *attempt, *record, *attempt, *record, "shutdown"]
     steps = [m["step"] for m in read_jsonl(tmp_path / "metrics.jsonl")]
     assert steps == [1, 2, 3]
     finished = [e for e in read_jsonl(tmp_path / EVENTS_FILE) if e["event"] == "training_finished"]

@@ -3,7 +3,8 @@ experiment trackers, and a progress line on stdout.
 
 A record covers a *window*: the steps since the previous record. Its ``samples_per_s`` and ``step_time_s``
 are means over that window (orchestrator/report/efficiency.py rebuilds totals from them), ``loss`` and any
-extra metrics are means over ranks of the logged step, ``timing`` is the step timer's per-phase breakdown
+extra metrics are means over the job's ranks of the logged step (the process group's all-reduce, then the
+fault-tolerance mode's mean over what the process group does not span: per_step's other groups), ``timing`` is the step timer's per-phase breakdown
 (orchestrator/runtime/timing.py), when one is used. The all-reduce runs only on logging steps, which every
 rank agrees on (``step % log_every == 0`` or the last step), to keep the loop lean.
 """
@@ -27,12 +28,15 @@ RECORD_KEYS = ("t", "step", "loss", "lr", "world_size", "samples_per_s", "step_t
 
 class MetricsLog:
     """Windows of steps -> records. ``run_dir`` None: nothing is written (the line is still printed).
-    ``trackers``: rank 0's experiment trackers (``log_metrics(step, metrics)``), or None."""
+    ``trackers``: rank 0's experiment trackers (``log_metrics(step, metrics)``), or None. ``across``: the
+    process group's means -> the job's (the fault-tolerance mode's; identity where the group spans the job)."""
 
     def __init__(self, run_dir: Optional[str], ctx: DistContext, device: torch.device, timer: StepTimer,
-                 max_steps: int, log_every: int, trackers: Any = None):
+                 max_steps: int, log_every: int, trackers: Any = None,
+                 across: Callable[[torch.Tensor], torch.Tensor] = lambda means: means):
         self.path = Path(run_dir) / METRICS_FILE if run_dir is not None else None
         self.ctx, self.device, self.timer, self.trackers = ctx, device, timer, trackers
+        self.across = across
         self.max_steps, self.log_every = max_steps, log_every
         self.last_loss: Optional[float] = None
         self.window_loaded = False
@@ -82,8 +86,7 @@ class MetricsLog:
         values = [_scalar(loss, self.device)] if loss is not None else []
         values += [_scalar(v, self.device) for v in extra.values()]
         values.append(torch.tensor(list(timing.values()), dtype=torch.float32, device=self.device))
-        totals = collectives.all_reduce(torch.cat(values)).tolist()
-        means = [v / self.ctx.world_size for v in totals]
+        means = self.across(collectives.all_reduce(torch.cat(values)) / self.ctx.world_size).tolist()
         if loss is not None:
             self.last_loss, means = means[0], means[1:]
         extra = dict(zip(extra, means))

@@ -89,7 +89,7 @@ class Session:
         self.log_every: int = trainer.log_every if log_every is None else log_every
         """A metrics record every N steps (and at ``max_steps``)."""
         self.metrics = MetricsLog(run_dir, self.ctx, self.device, self.timer, self.max_steps, self.log_every,
-                                  self.trackers)
+                                  self.trackers, across=lambda means: self.ft.mean_across_groups(means))
         self._preemption_cfg = cfg.preemption if cfg is not None else PreemptionConfig()
         self.preemption: Optional[PreemptionResponse] = None  # watching from register()/restore() on
         self.sampler: Optional[GlobalBatchSampler] = None

@@ -266,6 +266,17 @@ class ReplicaGroup(_ReplicaRecords):
                 g.copy_(flat[offset:offset + n].view_as(g))
                 offset += n
 
+    def mean_across_groups(self, means: torch.Tensor) -> torch.Tensor:
+        """A logged record's values averaged over the committed step's groups (all of them log the same step,
+        having committed it together): one small all-reduce on the quorum's process group, on logging steps
+        only. If a group failed since the commit, this group's own means (the error is dropped at the next
+        quorum, as a failed step's is)."""
+        if self.participants <= 1:
+            return means
+        mean = means.clone()
+        self.manager.allreduce(mean).wait()
+        return means if self.manager.errored() else mean
+
     def commit(self) -> bool:
         """Whether every participant finished this step (decided once; the optimizer steps only then)."""
         if self.committed is None:

@@ -13,7 +13,7 @@ The session (orchestrator/elastic/session.py) calls, in this order:
 - each step: :meth:`~StepProtocol.begin_step`, the step (the registered optimizer's ``step()`` may ask
   :meth:`~StepProtocol.commit`, ``sync_gradients`` :meth:`~StepProtocol.sync_gradients`), then
   :meth:`~StepProtocol.end_step` at the boundary (commit or discard), :meth:`~StepProtocol.window_rolled`
-  when a metrics window closes;
+  when a metrics window closes, :meth:`~StepProtocol.mean_across_groups` on a logged record's values;
 - on an agreed preemption notice, :meth:`~StepProtocol.peers_hold_state` (then :meth:`~StepProtocol.left`);
 - :meth:`~StepProtocol.shutdown` at the end.
 
@@ -81,6 +81,10 @@ class StepProtocol(Protocol):
     def sync_gradients(self) -> None:
         """Average the gradients over whatever the process group does not span (once per step)."""
 
+    def mean_across_groups(self, means: torch.Tensor) -> torch.Tensor:
+        """A logged record's values, means over the process group, as means over the job (whatever the process
+        group does not span), so the record reads the global batch's loss in every mode."""
+
     def peers_hold_state(self) -> bool:
         """Whether workers outside this node go on with the state, so a noticed node may leave unsaved."""
 
@@ -134,6 +138,8 @@ class RestartSteps:
     def sync_gradients(self) -> None:
         pass  # DDP averaged the gradients in the backward pass
 
+    def mean_across_groups(self, means: torch.Tensor) -> torch.Tensor:
+        return means  # the process group is the job
     def peers_hold_state(self) -> bool:
         return False
 

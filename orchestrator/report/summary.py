@@ -74,13 +74,21 @@ def recoveries(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return found
 
 
+def final_training(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last ``training_finished`` that knows its loss, else the last one ({} if none). Several groups
+    finish a per_step run, and one that never logged a step (a late joiner) has ``final_loss`` null."""
+    finished = [e for e in events if e["event"] == EventName.TRAINING_FINISHED]
+    with_loss = [e for e in finished if e.get("final_loss") is not None]
+    return (with_loss or finished or [{}])[-1]
+
+
 def build_summary(run_dir: str | Path) -> dict[str, Any]:
     """Summarize the latest launch in ``run_dir`` from its append-only files."""
     run_dir = Path(run_dir)
     events = latest_launch(read_jsonl(run_dir / EVENTS_FILE))
     start = events[0]["t"] if events else None
     metrics = [m for m in read_jsonl(run_dir / METRICS_FILE) if start is None or m["t"] >= start]
-    finished = next((e for e in reversed(events) if e["event"] == EventName.TRAINING_FINISHED), {})
+    finished = final_training(events)
     run_finished = next((e for e in reversed(events) if e["event"] == EventName.RUN_FINISHED), None)
     status = run_finished["status"] if run_finished else "incomplete"
     summary = {
