@@ -67,7 +67,7 @@ def cmd_chaos_preempt(args: argparse.Namespace) -> int:
 def cmd_ckpt_list(args: argparse.Namespace) -> int:
     from orchestrator.checkpoint import format_checkpoint_list
 
-    print(format_checkpoint_list(args.url))
+    print(format_checkpoint_list(args.run_or_url))
     return 0
 
 
@@ -244,11 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     ckpt = sub.add_parser("ckpt", help="list and inspect checkpoints at any fsspec URL").add_subparsers(
         dest="ckpt_command", required=True)
-    p = ckpt.add_parser("list", help="steps, sizes, validity and config fingerprints under URL")
-    p.add_argument("url")
+    p = ckpt.add_parser("list", help="steps, validity, reasons, sizes, engines and config fingerprints of a run's "
+                        "checkpoints (orch's and HF Trainer's checkpoint-N)")
+    p.add_argument("run_or_url", metavar="RUN_OR_URL", help="a run dir or a checkpoint URL")
     p.set_defaults(func=cmd_ckpt_list)
-    p = ckpt.add_parser("inspect", help="files, checksums and metadata of URL/step_N (or the newest under URL); "
-                        "exits 2 when load() would skip it")
+    p = ckpt.add_parser("inspect", help="files, checksums and metadata of URL/step_N (or the newest under URL or a "
+                        "run dir); exits 2 when load() would skip it")
     p.add_argument("url")
     p.set_defaults(func=cmd_ckpt_inspect)
     p = ckpt.add_parser("export", help="the model weights alone of a run's (or URL's) newest valid checkpoint, "

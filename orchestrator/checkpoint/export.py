@@ -8,29 +8,18 @@ pickle-loading one (orchestrator/checkpoint/dcp_metadata.py)."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Optional
 
 import torch
-import yaml
 
 from orchestrator.errors import UserError
 
+from .locate import checkpoint_url_of
 from .manager import CheckpointManager, LoadedCheckpoint
 from .manifest import DCP_FORMAT
 from .storage import step_dirname
 
 EXPORT_FORMATS = ("safetensors",)
-
-
-def checkpoint_url_of(run_or_url: str) -> str:
-    """The checkpoint URL of a run dir (its config's ``checkpoint.url``, else ``<run dir>/checkpoints``), or
-    ``run_or_url`` itself when it is not a run dir."""
-    config = Path(run_or_url) / "config.yaml"
-    if "://" in run_or_url or not config.is_file():
-        return run_or_url
-    url = ((yaml.safe_load(config.read_text()) or {}).get("checkpoint") or {}).get("url")
-    return url or str(Path(run_or_url) / "checkpoints")
 
 
 def export_weights(run_or_url: str, out: str, fmt: str = "safetensors", step: Optional[int] = None,

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -44,6 +43,7 @@ from typing import Any, Optional
 import torch
 from transformers import TrainerCallback, TrainingArguments
 
+from orchestrator.checkpoint.hf_dirs import COMPLETE_MARKER, HF_SUBDIR, hf_checkpoints
 from orchestrator.config.compose import load_run_config
 from orchestrator.config.schema import OrchConfig, PreemptionConfig
 from orchestrator.elastic import collectives
@@ -63,10 +63,6 @@ from orchestrator.runtime.state import Progress
 from orchestrator.runtime.timing import StartupTimes
 
 RUN_DIR_ENV = "ORCH_RUN_DIR"
-COMPLETE_MARKER = "orch_complete.json"
-"""Written by rank 0 into a ``checkpoint-<step>`` directory once every rank's part of it is written."""
-HF_SUBDIR = "hf"
-_CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 
 
 # -- where the run is ---------------------------------------------------------------------------------------------
@@ -99,14 +95,8 @@ def checkpoint_dir(cfg: Optional[OrchConfig] = None, directory: Optional[str] = 
 def latest_checkpoint(output_dir: Optional[str]) -> Optional[str]:
     """The newest ``checkpoint-<step>`` under ``output_dir`` marked complete (:data:`COMPLETE_MARKER`), for
     ``trainer.train(resume_from_checkpoint=...)``; None when there is none (a fresh start)."""
-    if not output_dir or not os.path.isdir(output_dir):
-        return None
-    found = []
-    for name in os.listdir(output_dir):
-        match = _CHECKPOINT_DIR.match(name)
-        if match and os.path.isfile(os.path.join(output_dir, name, COMPLETE_MARKER)):
-            found.append((int(match.group(1)), os.path.join(output_dir, name)))
-    return max(found)[1] if found else None
+    complete = [c for c in hf_checkpoints(output_dir) if c.complete]
+    return complete[-1].path if complete else None
 
 
 def orch_training_args(cfg: Optional[OrchConfig] = None, **kwargs: Any) -> TrainingArguments:
