@@ -65,6 +65,7 @@ class EventName(StrEnum):
     STORE_VALUE_REFUSED = "store_value_refused"  # a rendezvous state not sealed with the run's secret (key, peer)
     REPLICA_STARTED = "replica_started"  # a group's workers joined their own one-node rendezvous
     REPLICA_LEFT = "replica_left"  # a noticed group left at a step boundary, its peers holding the state
+    REPLICA_DROPPED = "replica_dropped"  # per_step: the quorum service took a group out at once (no heartbeat wait)
     TRAINING_FINISHED = "training_finished"
     WORKER_FAILED = "worker_failed"
     PREEMPTION_NOTICE = "preemption_notice"
@@ -580,6 +581,17 @@ class ReplicaLeft(Event):
     node: int
     step: int
     since_notice_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaDropped(Event):
+    """per_step, the driver: the quorum service took a replica group out of the next quorum at once, because
+    the group said it leaves (``cause`` ``left``: a preemption notice, or its end) or the controller saw its
+    agent exit (``agent_exited``); the survivors' next quorum does not wait for its heartbeats to age out."""
+
+    event = EventName.REPLICA_DROPPED
+    replica_id: str
+    cause: str
 
 
 @dataclass(frozen=True, kw_only=True)

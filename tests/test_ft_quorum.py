@@ -103,6 +103,30 @@ def test_a_dropped_group_is_out_of_the_next_quorum_at_once_and_a_behind_group_he
         svc.close()
 
 
+def test_a_group_that_leaves_frees_the_survivors_waiting_quorum_at_once_and_the_driver_is_told():
+    """The clock stands still: heartbeats never age out, so only the leave (a noticed group's rank 0, through
+    the gate) or the driver's drop (its agent exited) can form the survivors' quorum."""
+    told: list[tuple[str, str]] = []
+    svc = QuorumService(1, 60_000, quorum_tick_ms=10, heartbeat_timeout_ms=1000, clock=Clock(),
+                        on_drop=lambda rid, cause: told.append((rid, cause)))
+    try:
+        register(svc, "node0-a0:u", "node1-a1:v", "node2-a2:w")
+        all_ask(svc, {"node0-a0:u": 5, "node1-a1:v": 5, "node2-a2:w": 5})
+        with ThreadPoolExecutor(1) as pool:
+            survivor = pool.submit(lambda: all_ask(svc, {"node0-a0:u": 6, "node2-a2:w": 6}))
+            assert wait_pending(svc, "node0-a0:u") and wait_pending(svc, "node2-a2:w")
+            time.sleep(0.1)
+            assert not survivor.done(), "2 of 3 healthy groups joined: the quorum waits for the third"
+            assert svc.call({"op": "leave", "replica_id": "node1-a1:v"}) == {}
+            q = survivor.result(timeout=2)
+        assert {r["replica_world_size"] for r in q.values()} == {2}
+        assert told == [("node1-a1:v", "left")]
+        assert svc.drop("node1-a1") == [] and told == [("node1-a1:v", "left")], "already out: nothing to tell"
+        assert svc.drop("node2-a2") == ["node2-a2:w"] and told[-1] == ("node2-a2:w", "agent_exited")
+    finally:
+        svc.close()
+
+
 def test_a_healthy_straggler_holds_a_new_quorum_until_the_join_timeout():
     clock = Clock()
     svc = service(join_ms=5000, clock=clock)

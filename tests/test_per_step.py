@@ -112,6 +112,14 @@ def test_killed_node_returns_and_heals_from_a_peer_with_every_sample_once(tmp_pa
     assert left and left[0]["node"] == 0, "the noticed group left at a step boundary"
     assert not [e for e in evs if e["event"] == "emergency_checkpoint"], "its peer held the state: nothing saved"
     assert [e for e in evs if e["event"] == "node_preempted" and e["node"] == 0]
+    # The quorum service took each departed group out at once, not after its heartbeats aged out: the killed
+    # one when the controller saw its agent exit, the noticed one when it announced it leaves (before its exit).
+    dropped = [e for e in evs if e["event"] == "replica_dropped"]
+    assert [e for e in dropped if e["replica_id"].startswith("node1-") and e["cause"] == "agent_exited"
+            and e["t"] > kill_t], dropped
+    gone0 = next(e for e in evs if e["event"] == "node_preempted" and e["node"] == 0)
+    assert [e for e in dropped if e["replica_id"].startswith("node0-") and e["cause"] == "left"
+            and left[0]["t"] - 5 < e["t"] <= gone0["t"]], dropped
     # Goodput splits the per_step costs out of the step windows.
     assert {"quorum_wait_s", "healing_s", "discarded_s"} <= set(s["goodput"]["badput"])
     # The step windows stay contiguous when the leader changes (a healed group takes over its peer's open

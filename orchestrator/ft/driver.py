@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Optional, Protocol
 
 from orchestrator.config.schema import OrchConfig
-from orchestrator.events import RendezvousEvicted, RendezvousReopened
+from orchestrator.events import ReplicaDropped, RendezvousEvicted, RendezvousReopened
 from orchestrator.ft import ADDR_ENV, QUORUM_ENV, REPLICA_ENV
 from orchestrator.rendezvous.args import AgentRendezvous
 from orchestrator.rundir import EventLog
@@ -145,7 +145,8 @@ class PerStepMode(RestartMode):
             return
         ft = self.cfg.fault_tolerance
         self.quorum = QuorumService(self.cfg.cluster.min_nodes, ft.join_timeout_ms, ft.quorum_tick_ms,
-                                    ft.heartbeat_timeout_ms)
+                                    ft.heartbeat_timeout_ms,
+                                    on_drop=lambda rid, cause: events.write(ReplicaDropped(replica_id=rid, cause=cause)))
         store.add_route(ROUTE, self.quorum.handler)
 
     def agent_gone(self, agent_id: int, node: int, pid: int, rendezvous_id: str) -> None:

@@ -79,8 +79,11 @@ class QuorumService:
     :meth:`leave` take a group out at once (the controller saw its agent die; it left on a notice)."""
 
     def __init__(self, min_replicas: int, join_timeout_ms: int, quorum_tick_ms: int, heartbeat_timeout_ms: int,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 on_drop: Callable[[str, str], None] = lambda replica_id, cause: None):
         self.min_replicas = max(1, min_replicas)
+        self.on_drop = on_drop
+        """Told ``(replica id, cause)`` of every group :meth:`drop` or :meth:`leave` took out (outside the lock)."""
         self.join_timeout_s = join_timeout_ms / 1000
         self.tick_s = max(0.005, quorum_tick_ms / 1000)
         self.heartbeat_timeout_s = heartbeat_timeout_ms / 1000
@@ -107,21 +110,24 @@ class QuorumService:
         return cls(cfg.cluster.min_nodes, ft.join_timeout_ms, ft.quorum_tick_ms, ft.heartbeat_timeout_ms)
 
     # -- membership --------------------------------------------------------------------------------------
-    def drop(self, prefix: str) -> list[str]:
+    def drop(self, prefix: str, cause: str = "agent_exited") -> list[str]:
         """Take every group whose replica id is ``prefix`` or starts with ``prefix:`` out of the quorum now
-        (torchft's Manager appends ``:<uuid>`` to the id orch gives it). Returns the ids dropped."""
+        (torchft's Manager appends ``:<uuid>`` to the id orch gives it): a quorum its survivors wait for forms
+        at once. Returns the ids dropped (none: already out)."""
         with self._lock:
-            gone = [rid for rid in {*self._groups, *self._heartbeats}
-                    if rid == prefix or rid.startswith(prefix + ":")]
+            gone = sorted(rid for rid in {*self._groups, *self._heartbeats}
+                          if rid == prefix or rid.startswith(prefix + ":"))
             for rid in gone:
                 self._forget(rid)
             self._evaluate()
             self._lock.notify_all()
+        for rid in gone:
+            self.on_drop(rid, cause)
         return gone
 
     def leave(self, replica_id: str) -> None:
-        """A group leaving on its own (a preemption notice): out of the quorum at once."""
-        self.drop(replica_id)
+        """A group leaving on its own (a preemption notice, its end): out of the quorum at once."""
+        self.drop(replica_id, cause="left")
 
     def _forget(self, rid: str) -> None:
         self._dropped.add(rid)

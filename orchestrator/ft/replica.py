@@ -309,6 +309,10 @@ class ReplicaGroup(_ReplicaRecords):
         return self.participants > 1
 
     def left(self, step: int, notice_t: float) -> None:
+        """Announce the departure first: the survivors' next quorum forms without this group at once instead
+        of waiting for its heartbeats to age out (``heartbeat_timeout_ms``) or for its agent's exit (the
+        worker leaves with ``os._exit``, so no :meth:`shutdown` would tell the quorum service)."""
+        self.shutdown()  # rank 0's server calls the quorum service's leave through the run's gate
         self._send_group(ReplicaLeft(node=self.ctx.node, step=step, since_notice_s=time.time() - notice_t))
 
     # -- a discarded step leaves nothing behind ----------------------------------------------------------------
