@@ -38,11 +38,14 @@ def _rank(rank: int, world: int, store_dir: str, cases: list[dict]) -> None:
 
 
 def _case(rank: int, world: int, overrides: list[str], expect_error: bool = False,
-          local_world: int | None = None, session: bool = False) -> dict[str, Any]:
+          local_world: int | None = None, session: bool = False, build: bool = False) -> dict[str, Any]:
     """Train STEPS steps of the tiny model under ``overrides`` (of conf=cpu_gloo); every rank sees the same
     global batch, split by rank, so every strategy trains on the same data. ``local_world``: the processes per
     node this case's ranks are told they run with (LOCAL_WORLD_SIZE; default: every rank on one node).
-    ``session``: wrap through ``Session.wrap`` and use ``Session.strategy``, as a user's script does."""
+    ``session``: wrap through ``Session.wrap`` and use ``Session.strategy``, as a user's script does.
+    ``build``: the strategy builds the model from a factory (``Strategy.build``, as the built-in trainer does);
+    the model then carries a persistent and a non-persistent buffer, and the result says on which device each
+    rank's factory built it, its local parameter bytes right after the build and the buffers it ended with."""
     os.environ["LOCAL_WORLD_SIZE"] = str(local_world or world)
     from orchestrator.config.compose import compose_config
     from orchestrator.parallel import strategy_for
@@ -53,9 +56,14 @@ def _case(rank: int, world: int, overrides: list[str], expect_error: bool = Fals
     cfg = compose_config("cpu_gloo", overrides)
     strategy, device = strategy_for(cfg), torch.device("cpu")
     torch.manual_seed(rank)  # different on every rank: the strategy must start every rank from rank 0's model
-    model = BertMLM(512, 64, 2, 4, 256, 16)
+    model = BertMLM(512, 64, 2, 4, 256, 16) if not build else None
+    built: dict[str, Any] = {}
     try:
-        if session:
+        if build:
+            wrapped = strategy.build(lambda: _factory(built), DistContext.from_env(), device)
+            built["local_bytes"] = _local_bytes(wrapped)
+            built["buffers"] = {name: b.tolist() for name, b in wrapped.head_transform.named_buffers()}
+        elif session:
             from orchestrator.elastic import Session
 
             user = Session(cfg)
@@ -91,10 +99,33 @@ def _case(rank: int, world: int, overrides: list[str], expect_error: bool = Fals
     from orchestrator.runtime.state import params_sha256
     from torch.distributed.tensor import DTensor
 
+    from orchestrator.elastic import collectives
+
+    every = collectives.all_gather_object(built, world)  # what each rank's build saw
+
     params = list(strategy.unwrap(wrapped).parameters())
     local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
     mesh = params[0].device_mesh if isinstance(params[0], DTensor) else None
     return {"losses": losses, "norms": norms, "scaler": type(scaler).__name__, "local_numel": local,
             "numel": sum(p.numel() for p in params), "sha": params_sha256(strategy.unwrap(wrapped)),
             "mesh": list(mesh.shape) if mesh is not None else None,
-            "mesh_dims": list(mesh.mesh_dim_names or ()) if mesh is not None else None}
+            "mesh_dims": list(mesh.mesh_dim_names or ()) if mesh is not None else None, "built": every}
+
+
+def _factory(built: dict[str, Any]) -> torch.nn.Module:
+    """The tiny model with two buffers (one in no state dict); notes the device it was built on."""
+    from orchestrator.runtime.models import BertMLM
+
+    model = BertMLM(512, 64, 2, 4, 256, 16)
+    model.head_transform.register_buffer("kept", torch.arange(3.0))
+    model.head_transform.register_buffer("scratch", torch.full((3,), 2.0), persistent=False)
+    built["device"] = next(model.parameters()).device.type
+    built["full_bytes"] = _local_bytes(model)
+    return model
+
+
+def _local_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters this rank holds (a DTensor: its shard)."""
+    from torch.distributed.tensor import DTensor
+
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in model.parameters())

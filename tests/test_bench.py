@@ -111,4 +111,5 @@ def test_bench_memory_halves_the_state_per_rank_at_world_2(tmp_path):
     ddp = next(r for r in data["rows"] if r["strategy"] == "ddp")
     assert ddp["state_bytes"] >= 16 * ddp["params"]  # fp32 parameters, gradients and AdamW's two moments
     assert data["fsdp2_over_ddp_state_bytes_per_rank"]["2"] <= 0.6 and data["targets_met"] == {"2": True}
+    assert data["fsdp2_over_ddp_peak_rss_per_rank"]["2"] > 0  # recorded (a tiny model's is ~1)
     assert "fsdp2/ddp state per rank at world 2" in result.stdout and "met" in result.stdout

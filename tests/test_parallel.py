@@ -80,11 +80,13 @@ def test_fsdp2_and_hsdp_train_like_ddp_on_two_gloo_ranks(tmp_path):
              {"overrides": ["parallelism=fsdp2", "amp.enabled=true", "amp.dtype=bf16"]},  # bf16 params, fp32 reduce
              {"overrides": ["parallelism=ddp", "amp.enabled=true", "amp.dtype=bf16"]},
              {"overrides": ["parallelism=fsdp2", "trainer.compile=true"]},  # each block compiled, then sharded
-             {"overrides": ["parallelism=fsdp2", "parallelism.shard_modules=[Block]"], "expect_error": True}]
-    ddp, fsdp2, hsdp, replicated, checkpointed, fp16, bf16, ddp_bf16, compiled, bad = run_ranks(2, str(tmp_path), cases)
+             {"overrides": ["parallelism=fsdp2", "parallelism.shard_modules=[Block]"], "expect_error": True},
+             {"overrides": ["parallelism=fsdp2"], "build": True}]  # built by the strategy, as the trainer does
+    ddp, fsdp2, hsdp, replicated, checkpointed, fp16, bf16, ddp_bf16, compiled, bad, built = \
+        run_ranks(2, str(tmp_path), cases)
     assert ddp["losses"][-1] < ddp["losses"][0] and len(fsdp2["sha"]) == 64  # it learns; a sharded model hashes
     assert checkpointed["sha"] == fsdp2["sha"]  # activation checkpointing recomputes the same numbers, same names
-    for sharded in (fsdp2, hsdp, replicated, checkpointed, compiled):
+    for sharded in (fsdp2, hsdp, replicated, checkpointed, compiled, built):
         assert sharded["losses"] == pytest.approx(ddp["losses"], rel=1e-4)
         assert sharded["norms"] == pytest.approx(ddp["norms"], rel=1e-4)
     # Each rank holds half the parameters (a dim-0 shard of each; an odd row count rounds up on rank 0).
@@ -93,6 +95,13 @@ def test_fsdp2_and_hsdp_train_like_ddp_on_two_gloo_ranks(tmp_path):
     assert replicated["mesh"] == [2, 1] and replicated["local_numel"] == replicated["numel"]
     assert fp16["scaler"] == "ShardedGradScaler" and fp16["losses"] == pytest.approx(ddp["losses"], rel=1e-2)
     assert bf16["scaler"] == "GradScaler" and bf16["losses"] == pytest.approx(ddp_bf16["losses"], rel=1e-2)
+    # Built by the strategy: the weights are rank 0's (the same as wrapping a built model), but only rank 0 ever
+    # held the whole model; rank 1 built it on the meta device and holds its shard alone, buffers included.
+    assert built["sha"] == fsdp2["sha"]
+    rank0, rank1 = built["built"]
+    assert (rank0["device"], rank1["device"]) == ("cpu", "meta")
+    assert rank1["local_bytes"] <= 0.51 * rank1["full_bytes"] and rank0["local_bytes"] <= 0.51 * rank0["full_bytes"]
+    assert rank0["buffers"] == rank1["buffers"] == {"kept": [0.0, 1.0, 2.0], "scratch": [2.0, 2.0, 2.0]}
     assert bad["error"].startswith("ConfigError: parallelism.shard_modules=['Block'] names no module of BertMLM")
 
 

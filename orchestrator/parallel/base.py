@@ -2,16 +2,16 @@
 ranks (torchtitan's ``parallelize`` step). The trainer and ``session.wrap`` call these methods and never ask
 which strategy they hold.
 
-The order a loop follows: ``wrap`` the built model, then build the optimizer over the *wrapped* module's
-parameters (a sharded strategy turns them into DTensors), take the grad scaler from ``grad_scaler``, run
-accumulation micro-steps inside ``no_sync``, clip with ``clip_grad_norm_``, and register ``unwrap(model)``
-for checkpoints.
+The order a loop follows: ``build`` the model from a factory (or ``wrap`` one built already), then build the
+optimizer over the *wrapped* module's parameters (a sharded strategy turns them into DTensors), take the grad
+scaler from ``grad_scaler``, run accumulation micro-steps inside ``no_sync``, clip with ``clip_grad_norm_``, and
+register ``unwrap(model)`` for checkpoints.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 from torch import nn
@@ -33,6 +33,13 @@ class Strategy:
 
     def __init__(self, cfg: Optional[OrchConfig] = None):
         self.cfg = cfg
+
+    def build(self, factory: Callable[[], nn.Module], ctx: DistContext, device: torch.device, *,
+              timer: Any = None) -> nn.Module:
+        """The model ``factory()`` makes, spread over the ranks: by default :meth:`wrap` of the model built on
+        every rank and moved to ``device``. A sharded strategy overrides it so that a model that does not fit one
+        device is never built whole on every rank. Every rank calls it with the same factory (same seed)."""
+        return self.wrap(factory().to(device), ctx, device, timer=timer)
 
     def wrap(self, model: nn.Module, ctx: DistContext, device: torch.device, *, timer: Any = None) -> nn.Module:
         """The module to call forward on (``model`` is on ``device``, identical on every rank or made so here).

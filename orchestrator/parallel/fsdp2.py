@@ -14,7 +14,7 @@ head, form one more unit).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 import torch.distributed as dist
@@ -48,14 +48,42 @@ class FSDP2Strategy(Strategy):
         return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("shard",))
 
     def wrap(self, model: nn.Module, ctx: DistContext, device: torch.device, *, timer: Any = None) -> nn.Module:
+        _need_group(self.name)
+        broadcast_from_rank0(model)  # fully_shard keeps each rank's slice as it is: start from rank 0's values
+        return self._shard(model, ctx, device)
+
+    def build(self, factory: Callable[[], nn.Module], ctx: DistContext, device: torch.device, *,
+              timer: Any = None) -> nn.Module:
+        """Built whole on rank 0 only, as torch documents for FSDP2: rank 0 runs ``factory()`` on the CPU (its
+        seeded initialization, so the weights are DDP's), every other rank under ``torch.device("meta")`` (no
+        storage); all shard, the others allocate only their shards (``to_empty``), and rank 0's full state dict
+        reaches every rank's shards (``set_model_state_dict(broadcast_from_rank0=True)``); buffers, non-persistent
+        ones too, are broadcast. The meta build draws no random numbers, so the ranks' torch RNG continues from
+        rank 0's, as it would after every rank had built the model from the same seed."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        _need_group(self.name)
+        main = dist.get_rank() == 0
+        if main:
+            model = factory()
+        else:
+            with torch.device("meta"):
+                model = factory()
+        full = model.state_dict() if main else {}  # keeps rank 0's whole tensors alive until they are sent
+        _broadcast_rng_state(device)
+        model = self._shard(model, ctx, device)
+        if not main:
+            model.to_empty(device=device)
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        del full
+        broadcast_buffers(model)
+        return model
+
+    def _shard(self, model: nn.Module, ctx: DistContext, device: torch.device) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
 
-        if not dist.is_initialized():
-            raise RuntimeError(f"parallelism.strategy={self.name} needs a process group. Fix: elastic.init("
-                               "process_group=True), or run under orch launch or torchrun")
         o = self.options
         units = shard_units(model, o.shard_modules)
-        broadcast_from_rank0(model)  # fully_shard keeps each rank's slice as it is: start from rank 0's values
         units = [_wrap_unit(model, name, unit, o.activation_checkpointing) for name, unit in units]
         if self.cfg is not None and self.cfg.trainer.compile:
             for unit in units:
@@ -150,6 +178,26 @@ def _wrap_unit(model: nn.Module, name: str, unit: nn.Module, checkpointing: bool
     wrapped = checkpoint_wrapper(unit)
     model.get_submodule(parent_name).register_module(attr, wrapped)
     return wrapped
+
+
+def _need_group(name: str) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError(f"parallelism.strategy={name} needs a process group. Fix: elastic.init("
+                           "process_group=True), or run under orch launch or torchrun")
+
+
+def broadcast_buffers(model: nn.Module) -> None:
+    """Every rank gets rank 0's buffers (FSDP2 shards no buffer; a non-persistent one is in no state dict)."""
+    with torch.no_grad():
+        for buffer in model.buffers():
+            dist.broadcast(buffer.data, src=0)
+
+
+def _broadcast_rng_state(device: torch.device) -> None:
+    """Rank 0's torch CPU RNG state on every rank (a tensor collective: on the device the backend serves)."""
+    state = torch.get_rng_state().to(device)
+    dist.broadcast(state, src=0)
+    torch.set_rng_state(state.cpu())
 
 
 def broadcast_from_rank0(model: nn.Module) -> None:

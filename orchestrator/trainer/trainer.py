@@ -61,8 +61,9 @@ class Trainer:
         self.timer = session.timer  # the time breakdown of every step (runtime/timing.py)
         seed_everything(cfg.trainer.seed)  # identical init on every rank (the strategy's broadcast makes sure)
         self.strategy = session.strategy
-        self.model = self.strategy.wrap(instantiate(cfg.model, _convert_="all").to(self.device), self.ctx,
-                                        self.device, timer=self.timer)
+        # The strategy builds it: a sharded one never builds the whole model on every rank.
+        self.model = self.strategy.build(lambda: instantiate(cfg.model, _convert_="all"), self.ctx, self.device,
+                                         timer=self.timer)
         self.raw_model = self.strategy.unwrap(self.model)  # what checkpoints hold
         # After wrapping: a sharded strategy's parameters are DTensors, and the optimizer must hold those.
         self.optimizer = instantiate(cfg.optim, params=self.model.parameters(), _convert_="all")
