@@ -77,8 +77,10 @@ def _rank(rank: int, world: int, store_dir: str, phases: tuple[dict, ...]) -> No
 
 
 def _phase(rank: int, world: int, url: str, steps: int, strategy: str = "ddp", save_at: tuple = (),
-           async_save: bool = False, keep_last: int = 3, resume: str = "auto", finish: bool = True) -> dict:
-    """Restore from ``url``, train to ``steps`` saving at ``save_at``, then finish (a final save) or only wait."""
+           async_save: bool = False, keep_last: int = 3, resume: str = "auto", finish: bool = True,
+           engine: str = "dcp") -> dict:
+    """Restore from ``url``, train to ``steps`` saving at ``save_at``, then finish (a final save) or only wait;
+    ``engine``: the checkpoint engine (``rank0``: a DDP run's default)."""
     from orchestrator.config.schema import CheckpointConfig
     from orchestrator.elastic.checkpoints import SessionCheckpoints
     from orchestrator.runtime.distributed import DistContext
@@ -92,7 +94,7 @@ def _phase(rank: int, world: int, url: str, steps: int, strategy: str = "ddp", s
     cfg = CheckpointConfig(async_save=async_save, keep_last=keep_last, resume=resume)
     events: list[dict] = []
     ckpt = SessionCheckpoints(cfg, url, state, DistContext(rank, world, rank, world, 0, 0), torch.device("cpu"), 0,
-                              lambda e: events.append({"event": e.event, **e.fields()}), engine="dcp")
+                              lambda e: events.append({"event": e.event, **e.fields()}), engine=engine)
     restored: Optional[int] = ckpt.restore()
     loaded = full_hashes(model, optim) if restored is not None else None
     saved: dict[str, Any] = {}

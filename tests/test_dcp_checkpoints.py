@@ -83,17 +83,35 @@ def test_lone_process_round_trip_and_layout(tmp_path, async_save):
         k: v.tolist() for k, v in fresh.components["model"].state_dict().items()}
 
 
+def plain(obj):
+    """Tensors as lists, tuples as lists: values compared exactly, containers by content."""
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if isinstance(obj, dict):
+        return {k: plain(v) for k, v in obj.items()}
+    return [plain(v) for v in obj] if isinstance(obj, (list, tuple)) else obj
+
+
 @pytest.mark.timeout(120)
-def test_engines_refuse_each_others_checkpoints(tmp_path):
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_the_dcp_engine_resumes_a_rank0_checkpoint_and_not_the_reverse(tmp_path, fmt):
+    """A DDP run's checkpoint (the rank0 engine's whole payloads) resumes under the dcp engine: model, optimizer
+    state (keyed by FQN from the saved parameter indices), schedule and progress; a DCP checkpoint under the
+    rank0 engine stays refused in one line."""
     dcp_url, rank0_url = str(tmp_path / "dcp"), str(tmp_path / "rank0")
     for url, engine in ((dcp_url, "dcp"), (rank0_url, "rank0")):
-        ckpt, state = lone_session(url, engine=engine)
-        train(state, 1)
+        ckpt, state = lone_session(url, engine=engine, format=fmt)
+        train(state, 2)
         ckpt.finish()
     with pytest.raises(CheckpointError, match="checkpoint.engine=dcp"):
         lone_session(dcp_url, engine="rank0")[0].restore()
-    with pytest.raises(CheckpointError, match="checkpoint.engine=rank0"):
-        lone_session(rank0_url, engine="dcp")[0].restore()
+    other, fresh = lone_session(rank0_url, engine="dcp", seed=1)
+    assert other.restore() == 2 and fresh.progress.step == 2
+    for name in ("model", "optim", "sched"):  # a tuple (AdamW's betas) comes back a list, as from a DCP checkpoint
+        assert plain(fresh.components[name].state_dict()) == plain(state.components[name].state_dict()), name
+    train(fresh, 1)  # trains on and saves DCP shards
+    other.finish()
+    assert [(i.step, i.format) for i in CheckpointManager(rank0_url).list()] == [(2, fmt), (3, "dcp")]
 
 
 @pytest.mark.timeout(120)
@@ -150,6 +168,25 @@ def test_fsdp2_reshards_2_to_3_to_1_and_ddp_or_hsdp_to_fsdp2(tmp_path):
     for url, before in zip((fsdp, ddp, hsdp), saved):  # consolidated in one process, no process group
         export_weights(url, str(tmp_path / "model.safetensors"), step=2)
         assert digest(load_file(str(tmp_path / "model.safetensors"))) == before["saved"]["2"]["model"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fsdp2_resumes_a_ddp_runs_rank0_checkpoint(tmp_path):
+    """A DDP run with the default engine (rank0) saves at step 3; FSDP2 with the dcp engine, on 2 and on 3 ranks,
+    resumes it at step 3 with the full model and optimizer state bit for bit (every rank's shards sent from rank
+    0's whole payloads), the same schedule, and trains on to step 5, committing DCP shards."""
+    url = str(tmp_path / "ckpt")
+    saved = run_ranks(2, str(tmp_path / "a"), dict(url=url, steps=3, save_at=(3,), engine="rank0"))[0]
+    assert [(i.step, i.format) for i in CheckpointManager(url).list()] == [(3, "torch")]
+    for world in (2, 3):
+        resumed = run_ranks(world, str(tmp_path / f"w{world}"), dict(
+            url=url, steps=5, strategy="fsdp2", save_at=(5,) if world == 3 else (), finish=False, resume="3"))[0]
+        assert resumed["restored"] == 3 and resumed["loaded"] == saved["saved"]["3"], world
+        loaded = next(e for e in resumed["events"] if e["event"] == "checkpoint_loaded")
+        assert (loaded["step"], loaded["world_size"], loaded["saved_world_size"]) == (3, world, 2)
+        assert resumed["final"] != resumed["loaded"] and resumed["lr"] == saved["lr"] * 0.5  # StepLR: halved at 4
+    assert [(i.step, i.format) for i in CheckpointManager(url).list()] == [(3, "torch"), (5, "dcp")]
 
 
 @pytest.mark.timeout(120)

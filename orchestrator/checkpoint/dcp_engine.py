@@ -19,6 +19,13 @@ Restore: rank 0 picks the newest valid checkpoint (every checksum verified, ``.m
 orchestrator/checkpoint/dcp_metadata.py) and broadcasts its step and small state; every rank builds its own
 target state (its shards at today's world size and strategy), checks the modules' global shapes against the
 index, loads its shards with ``dcp.load`` (resharding) and sets them with ``set_*_state_dict``.
+
+A checkpoint of the ``rank0`` engine (a DDP run's, whole payloads) restores too, so a run can switch to a sharded
+strategy and resume: rank 0 reads its payloads (``torch.load(weights_only=True)`` or safetensors, as the rank0
+engine does) and keeps the modules and optimizers; every rank checks their shapes against its own, and
+``set_*_state_dict(full_state_dict=True, broadcast_from_rank0=True)`` sends each tensor from rank 0 into every
+rank's shards (the optimizer's state, keyed by parameter index there, is keyed by FQN first). The rest (progress,
+schedulers, scaler, RNG) is broadcast and loaded as for a DCP checkpoint.
 """
 
 from __future__ import annotations
@@ -36,8 +43,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 
 from orchestrator.errors import CheckpointError
 from orchestrator.runtime.distributed import DistContext
@@ -248,6 +256,7 @@ class DcpEngine:
     def restore(self, wanted: Optional[int], records: Mapping[str, Any]) -> Optional[Restored]:
         self.wait()
         head: Any = None
+        whole: dict[str, Any] = {}  # rank 0's, from a rank0-engine checkpoint: the modules' and optimizers' payloads
         if self.ctx.is_main:
             try:
                 with warnings.catch_warnings():
@@ -255,8 +264,12 @@ class DcpEngine:
                     loaded = self.manager.load(wanted)
                 if loaded is not None:
                     index = loaded.files.get(METADATA_NAME)
+                    if loaded.format != DCP_FORMAT:
+                        whole = self._take_whole(loaded.state)
                     head = {"step": loaded.step, "state": loaded.state, "metadata": loaded.metadata,
-                            "format": loaded.format, "index_sha256": index.sha256 if index else None}
+                            "format": loaded.format, "index_sha256": index.sha256 if index else None,
+                            "whole": {n: {k: list(v.shape) for k, v in whole[n].items()} if n in self._modules()
+                                      else {} for n in whole}}
             except CheckpointError as e:
                 head = {"error": str(e)}
         head = self.comm.broadcast_object(head)
@@ -265,34 +278,69 @@ class DcpEngine:
         if "error" in head:
             raise CheckpointError(head["error"])
         step, state = head["step"], head["state"]
-        if head["format"] != DCP_FORMAT:
-            raise CheckpointError(f"checkpoint step {step} under {self.manager.url} was written by checkpoint.engine="
-                                  "rank0 (whole payloads, no DCP shards). Fix: resume it with checkpoint.engine=rank0 "
-                                  "and parallelism.strategy=ddp, or start fresh with a new checkpoint.url")
+        if head["format"] == DCP_FORMAT:
+            self._load_shards(step, state, head["index_sha256"])
+        else:
+            saved = head["whole"]
+            self._check_fits(set(saved), {n: saved[n] for n in self._modules() if n in saved}, state, step)
+            self._load_whole(whole)
+        self.state.load_state_dict(state, records, skip=self._dcp_names())
+        return Restored(step, head["metadata"], head["format"])
+
+    def _load_shards(self, step: int, state: dict[str, Any], index_sha256: Optional[str]) -> None:
+        """A DCP checkpoint: every rank reads its shards (resharded to today's layout) into the state."""
         url = self.manager.storage.url_for(step_dirname(step))
         try:
             index = parse_metadata(self.manager.storage.read_bytes(f"{step_dirname(step)}/{METADATA_NAME}"),
-                                   head["index_sha256"])
+                                   index_sha256)
         except (UnsafeCheckpoint, FileNotFoundError) as e:
             raise CheckpointError(f"checkpoint {url} cannot be read safely: {e}. Fix: resume from another step "
                                   "(`orch ckpt list` marks the valid ones)") from e
         self._check(index, state, step)
         tensors, plain, mapping = self._current()
         grouped = dist.is_available() and dist.is_initialized()
-        dcp.load(tensors, storage_reader=SafeReader(url, head["index_sha256"]), no_dist=not grouped)
+        dcp.load(tensors, storage_reader=SafeReader(url, index_sha256), no_dist=not grouped)
         saved_plain = state.get(PLAIN_PAYLOAD, {})
         full = unflatten_state_dict({**tensors, **{k: saved_plain.get(k, v) for k, v in plain.items()}}, mapping)
         for name, module, optims in self._pairs():
             set_model_state_dict(module, full[name])
             for oname, optim in optims:
                 set_optimizer_state_dict(module, optim, full[oname])
-        self.state.load_state_dict(state, records, skip=self._dcp_names())
-        return Restored(step, head["metadata"], head["format"])
+
+    def _load_whole(self, whole: dict[str, Any]) -> None:
+        """A rank0-engine checkpoint: rank 0's whole modules and optimizers (``whole``; empty elsewhere) into every
+        rank's state, each tensor sent from rank 0 into this rank's shards."""
+        grouped = dist.is_available() and dist.is_initialized()
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=grouped)
+        for name, module, optims in self._pairs():
+            set_model_state_dict(module, whole.get(name, {}), options=options)
+            for oname, optim in optims:
+                set_optimizer_state_dict(module, optim, whole.get(oname, {}), options=options)
+
+    def _take_whole(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0: a rank0-engine checkpoint's modules and optimizers taken out of its payloads, each optimizer's
+        state keyed by FQN (here, so that a mismatch is refused before any rank waits on a broadcast)."""
+        whole: dict[str, Any] = {}
+        for name, module, optims in self._pairs():
+            if name in state:
+                whole[name] = state.pop(name)
+            for oname, optim in optims:
+                if oname in state:
+                    whole[oname] = fqn_keyed(module, optim, state.pop(oname), oname)
+        return whole
+
+    def _modules(self) -> list[str]:
+        return [name for name, _, _ in self._pairs()]
 
     def _check(self, index: Any, state: dict[str, Any], step: int) -> None:
         """Refuse, before loading, a checkpoint without a registered component or whose modules differ."""
         keys = list(index.state_dict_metadata)
         saved = {n for n in self._dcp_names() if any(k.startswith(f"{n}.") for k in keys)}
+        self._check_fits(saved, {n: saved_shapes(index, n) for n in self._modules()}, state, step)
+
+    def _check_fits(self, saved: set[str], shapes: dict[str, dict[str, Any]], state: dict[str, Any],
+                    step: int) -> None:
+        """``saved``: the modules and optimizers the checkpoint holds; ``shapes``: each module's global shapes."""
         missing = [n for n in self._dcp_names() if n not in saved]
         missing += [n for n in self.state.components if n not in self._dcp_names() and n not in state]
         if missing:
@@ -301,5 +349,24 @@ class DcpEngine:
                                   "with, or start fresh with checkpoint.resume=never or a new checkpoint.url")
         for name, module, _ in self._pairs():
             current = {k: torch.empty(v.shape, device="meta") for k, v in get_model_state_dict(module).items()}
-            shapes = {k: torch.empty(s, device="meta") for k, s in saved_shapes(index, name).items()}
-            check_model_fits(shapes, SimpleNamespace(state_dict=lambda c=current: c), step, name)
+            saved_model = {k: torch.empty(s, device="meta") for k, s in shapes[name].items()}
+            check_model_fits(saved_model, SimpleNamespace(state_dict=lambda c=current: c), step, name)
+
+
+def fqn_keyed(module: torch.nn.Module, optim: torch.optim.Optimizer, saved: dict[str, Any],
+              name: str) -> dict[str, Any]:
+    """``optimizer.state_dict()`` as the rank0 engine saved it (state and param groups keyed by parameter
+    index, in the order of the optimizer's groups) keyed by FQN instead, as ``get_optimizer_state_dict``
+    keys it: the index is a position in this optimizer's groups, the FQN that parameter's name in
+    ``module`` (no activation checkpointing or compile prefix)."""
+    names = {id(p): n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+             for n, p in module.named_parameters()}
+    order = [names[id(p)] for group in optim.param_groups for p in group["params"]]
+    groups = saved["param_groups"]
+    count = sum(len(g["params"]) for g in groups)
+    if len(groups) != len(optim.param_groups) or count != len(order):
+        raise CheckpointError(f"optimizer {name!r} of the checkpoint has {len(groups)} parameter group(s) of "
+                              f"{count} parameters, this one {len(optim.param_groups)} of {len(order)}. Fix: build "
+                              "the optimizer as the checkpointed run did, or start fresh with checkpoint.resume=never")
+    return {"state": {order[int(i)]: v for i, v in saved["state"].items()},
+            "param_groups": [{**g, "params": [order[int(i)] for i in g["params"]]} for g in groups]}
