@@ -92,8 +92,9 @@ class ReplicaGroup(_ReplicaRecords):
                                             on_refused=self._refused)
         self._last_refusal = -1e9
         install()  # torchft's Manager on orch's quorum service, not on torchft's Rust servers
+        self._pg: Any = None  # the cross-group process group, made with the Manager
         self._make_manager = lambda: Manager(
-            pg=process_group(cfg.backend.name, timedelta(seconds=ft.collective_timeout_s)),
+            pg=self._new_process_group(cfg.backend.name, timedelta(seconds=ft.collective_timeout_s)),
             load_state_dict=self._load, state_dict=self._state_dict,
             min_replica_size=cfg.cluster.min_nodes, use_async_quorum=False,
             timeout=timedelta(seconds=max(30.0, ft.collective_timeout_s)),
@@ -112,6 +113,18 @@ class ReplicaGroup(_ReplicaRecords):
         self._loaded_at: Optional[float] = None  # when this group took over a peer's state in this quorum
         self.window = dict.fromkeys(WINDOW_KEYS, 0.0)
         self._healed_source: dict[str, Any] = {}
+
+    def _new_process_group(self, backend: str, timeout: timedelta) -> Any:
+        self._pg = process_group(backend, timeout)
+        return self._pg
+
+    def _abort_failed_collective(self) -> None:
+        """This group's cross-group collective failed (a peer died): abort the process group now. Releasing it
+        closes its connections, so a peer still blocked on this group in the same collective (gloo: a receive
+        from this rank, in a ring whose dead member this rank saw first) fails at once too, instead of after
+        ``collective_timeout_s`` while the quorum waits for it. The next quorum reconfigures it anyway."""
+        if self._pg is not None and self.manager.errored() is not None:
+            self._pg.abort()
 
     def _refused(self, peer: str, reason: str) -> None:
         """A caller of this worker's state server without the run's secret: one event a second at most."""
@@ -260,6 +273,7 @@ class ReplicaGroup(_ReplicaRecords):
             grads = [local(p.grad) for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
             self.manager.allreduce(flat).wait()
+            self._abort_failed_collective()
             offset = 0
             for g in grads:
                 n = g.numel()
@@ -275,6 +289,7 @@ class ReplicaGroup(_ReplicaRecords):
             return means
         mean = means.clone()
         self.manager.allreduce(mean).wait()
+        self._abort_failed_collective()
         return means if self.manager.errored() else mean
 
     def commit(self) -> bool:
