@@ -91,6 +91,7 @@ def run_recovery_bench(kill_at_step: int = 10, recovery_timeout_s: float = 180.0
 
 def _bare_torchrun(run_dir: Path, kill_at_step: int, timeout_s: float, nodes: int = 2,
                    job: Optional[list[str]] = None) -> float:
+    from orchestrator.checkpoint.fence import RUN_ID_ENV
     from orchestrator.config.compose import compose_config
     from orchestrator.launch import write_config
     from orchestrator.plan.plan import CONFIG_FILE, node_env
@@ -105,7 +106,9 @@ def _bare_torchrun(run_dir: Path, kill_at_step: int, timeout_s: float, nodes: in
                     "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                     "--rdzv-id=bench-recovery", f"--max-restarts={cfg.cluster.max_restarts}",
                     "-m", "orchestrator.trainer.train", "--config", str(run_dir / CONFIG_FILE))
-            agents[node] = NodeProcess(node, argv, node_env(cfg, node, str(run_dir), "bench-recovery"),
+            # Bare torchrun has no orch launcher: no run id, so no lease fences its saves (nobody took one).
+            env = {k: v for k, v in node_env(cfg, node, str(run_dir), "bench-recovery").items() if k != RUN_ID_ENV}
+            agents[node] = NodeProcess(node, argv, env,
                                        run_dir / "logs" / f"node{node}.log", echo=None)
             if node == 0:  # node 0 hosts the store: let it bind the port before node 1 looks for it
                 _wait_for(lambda: _port_open(port), 60, "bare torchrun's store on node 0")
