@@ -55,11 +55,11 @@ def test_killed_fsdp2_launch_resumes_bit_exact(tmp_path):
     done = run_orch("launch", *common, f"run.dir={reference}", timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     resumed = tmp_path / "resumed"
-    last_saved = kill_launch_after_checkpoint(tmp_path, [*common, f"run.dir={resumed}"], resumed, min_step=10)
+    last_committed = kill_launch_after_checkpoint(tmp_path, [*common, f"run.dir={resumed}"], resumed, min_step=10)
     again = run_orch("launch", *common, f"run.dir={resumed}", timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     loaded = events(resumed, "checkpoint_loaded")
-    assert len(loaded) == 1 and 10 <= loaded[0]["step"] <= last_saved and loaded[0]["world_size"] == 2
+    assert len(loaded) == 1 and 10 <= loaded[0]["step"] == last_committed and loaded[0]["world_size"] == 2
     assert summary(resumed)["params_sha256"] == summary(reference)["params_sha256"]
     assert summary(resumed)["steps_completed"] == 20
 
