@@ -15,7 +15,8 @@ from orchestrator.config.schema import FailureConfig
 from orchestrator.controller import controller as controller_module
 from orchestrator.controller.agents import AgentMaker
 from orchestrator.controller.api import AgentExit, AgentStarted, ClusterNode, ExitKind, ManualClock, RunHooks, RunStatus
-from orchestrator.controller.controller import EXIT_BARRIER_GRACE_S, EXIT_TIMEOUT_S, Controller
+from orchestrator.controller.controller import Controller
+from orchestrator.controller.exit_barrier import EXIT_BARRIER_GRACE_S, EXIT_TIMEOUT_S
 from orchestrator.controller.failure_policy import (FailureAction, classify, decide, failure_signature,
                                                     same_failure)
 from orchestrator.controller.scaling_policy import ScalingPolicy

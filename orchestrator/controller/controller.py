@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 from orchestrator.config.schema import OrchConfig
 from orchestrator.controller.agents import AgentMaker
 from orchestrator.controller.api import AgentExit, AgentStarted, Clock, ExitKind, NodePool, RunHooks, RunStatus
+from orchestrator.controller.exit_barrier import ExitBarrier
 from orchestrator.controller.failure_policy import ExitVerdict, FailureAction, FailureBudget, classify
 from orchestrator.controller.hang_watch import HangWatch
 from orchestrator.controller.roster import Agent, Fleet, Roster
@@ -42,8 +43,6 @@ STOP_GRACE_S = 10.0
 STOP_TIMEOUT_S = 60.0
 STOP_SIGNAL = signal.SIGUSR1  # `orch stop`: like SIGTERM (every node saves and leaves), but the run ends `stopped`
 SIGTERM_STOPS_ENV = "ORCH_SIGTERM_STOPS"  # "1": SIGTERM means STOP_SIGNAL (a Ray job, stopped by the Jobs API)
-EXIT_BARRIER_GRACE_S = 10.0  # training done and a peer gone, yet an agent waits in torchrun's exit barrier for it
-EXIT_TIMEOUT_S = 120.0  # training done, and no agent has exited at all: stop them (a peer died after the last step)
 
 
 class Controller:
@@ -74,13 +73,13 @@ class Controller:
         self.loss_t: Optional[float] = None  # wall time of the earliest loss not yet recovered from
         self.any_finished = False
         self.signal: Optional[int] = None
-        self._signal_handled = self._lease_stop_sent = self._lingering_stopped = False
+        self._signal_handled = self._lease_stop_sent = False
         self._notices_acted_on: set[tuple[Any, float]] = set()  # (node, t) of notices a standby was booted for
         self._attempt_t = self.clock.time()
         self._replace: set[int] = set()  # preempted nodes to replace without waiting for recovery
         self._below_min_since: Optional[float] = None
         self._next_scale = 0.0
-        self._first_exit_after_training: Optional[float] = None
+        self.exit_barrier = ExitBarrier()
         self.state: State = SCHEDULING
 
     # -- the loop ---------------------------------------------------------------------------------------------
@@ -231,13 +230,8 @@ class Controller:
         return True
 
     def _stop_lingering_agents(self) -> None:
-        """torchrun's exit barrier waits 300 s (not configurable) for a peer that left after the last step.
-        Once one agent has exited, the others get EXIT_BARRIER_GRACE_S to follow; with none gone, workers may
-        still be writing their last checkpoint on a loaded machine, so they get EXIT_TIMEOUT_S."""
-        since = self.clock.monotonic() - (self._first_exit_after_training or self.view.training_finished)
-        if (not self._lingering_stopped and self.roster
-                and since > (EXIT_BARRIER_GRACE_S if self._first_exit_after_training else EXIT_TIMEOUT_S)):
-            self._lingering_stopped = True
+        """Agents left in torchrun's exit barrier after training finished (see exit_barrier)."""
+        if self.exit_barrier.stop_lingering(self.clock.monotonic(), self.view.training_finished, bool(self.roster)):
             self.events.write(AgentsStopped(reason="training finished; agents still waiting on departed peers"))
             self.fleet.stop_all(STOP_GRACE_S, agent_only=False, timeout_s=STOP_TIMEOUT_S)
 
@@ -296,8 +290,7 @@ class Controller:
             return None
         self.exit_codes[exit.node] = exit.exit_code
         done = self.view.training_finished is not None
-        if done and self._first_exit_after_training is None:
-            self._first_exit_after_training = self.clock.monotonic()
+        self.exit_barrier.agent_exited(self.clock.monotonic(), done)
         recent = self.clock.time() - self.cfg.preemption.grace_period_s - STOP_GRACE_S
         noticed = self.view.noticed(exit.node, since=max(agent.requested_t, recent))
         explained = None if noticed or agent.stopping else self.hooks.explain_exit(exit.node, exit.exit_code,
