@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -26,6 +27,14 @@ NOTICES_DIR = "notices"  # notices/node<N>-<agent pid>.json: preemption notices 
 LAUNCH_FILE = "launch.json"  # who launched the run, how, with which preset and overrides (orch resume reads it)
 ORCH_LOG = "orch.log"  # a detached launch's own output (what `orch launch` prints in the foreground)
 SAMPLES_DIR = "samples"  # samples/rank<R>.jsonl: sample ids per step (trainer.record_samples)
+HEARTBEATS_DIR = "heartbeats"  # heartbeats/node<N>-rank<R>.json: each worker's liveness (hang detection)
+STACKS_DIR = "stacks"  # stacks/node<N>-rank<R>.txt: a worker's Python stacks, written on STACK_SIGNAL
+STACK_SIGNAL = signal.SIGUSR2  # asks a worker's faulthandler for its stacks
+
+
+def heartbeat_name(node: int, rank: int) -> str:
+    """A worker's file name (without suffix) under HEARTBEATS_DIR and STACKS_DIR."""
+    return f"node{node}-rank{rank}"
 
 
 def append_jsonl(path: str | os.PathLike, record: dict[str, Any]) -> None:

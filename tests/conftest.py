@@ -19,6 +19,18 @@ def run_index_in_tmp(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def session_cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("xdg-cache")
+
+
+@pytest.fixture(autouse=True)
+def cache_in_tmp(session_cache_dir, monkeypatch):
+    """orch's user cache (targets already checked: orchestrator/config/checked_targets.py) is the test
+    session's own, shared by its tests and the orch processes they start, never the developer's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(session_cache_dir))
+
+
+@pytest.fixture(scope="session")
 def moto_server():
     """A real S3 API: moto's server on loopback, on a port the OS picked. Yields its endpoint URL."""
     from moto.server import ThreadedMotoServer

@@ -22,3 +22,21 @@ def test_the_layer_contracts_hold(monkeypatch, capsys):
     monkeypatch.setattr("sys.path", list(__import__("sys").path))  # lint_imports puts the cwd first
     status = lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_logo=True, no_cache=True)
     assert status == EXIT_STATUS_SUCCESS, capsys.readouterr().out[-8000:]
+
+
+@pytest.mark.slow
+def test_the_driver_imports_no_torch():
+    """The launch command's own modules (config, plan, site, controller, run dir, reports) import no torch:
+    only the workers and the checkpoint tools need it, and importing it costs the driver 2-3 s of CPU at every
+    launch, on the cores its agents are starting on. (Config checks that need a target remember what they
+    learned: orchestrator/config/checked_targets.py.)"""
+    import subprocess
+    import sys
+
+    driver = ["orchestrator.cli", "orchestrator.launch", "launchers.runner", "launchers.local", "launchers.ray",
+              "launchers.testcluster", "orchestrator.controller.controller", "orchestrator.preflight",
+              "orchestrator.report.summary", "orchestrator.checkpoint.lease", "orchestrator.rendezvous.store",
+              "orchestrator.ft.driver", "orchestrator.ft.quorum", "orchestrator.tracking.run_end"]
+    code = f"import importlib, sys\nfor m in {driver!r}: importlib.import_module(m)\nprint('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr[-3000:]

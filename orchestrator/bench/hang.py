@@ -22,10 +22,9 @@ from pathlib import Path
 from typing import Optional
 
 from orchestrator.controller.hang_policy import read_beats
-from orchestrator.elastic.heartbeat import HEARTBEATS_DIR
 from orchestrator.errors import OrchError
 from orchestrator.processes import terminate_tree
-from orchestrator.rundir import EVENTS_FILE, METRICS_FILE, EventName, read_jsonl
+from orchestrator.rundir import EVENTS_FILE, HEARTBEATS_DIR, METRICS_FILE, EventName, read_jsonl
 
 JOB = ["conf=cpu_elastic", "launcher=local", "cluster.nnodes=1:2", "trainer.log_every=1", "checkpoint.every_n_steps=5"]
 

@@ -1,31 +1,32 @@
 """Checkpoints through fsspec (local, file://, s3://, gs://, memory://): atomic by manifest-last, async save.
 
 Layout: ``<url>/step_<N:09d>/{<payload>.pt..., manifest.json}``. See :mod:`.manager` for the protocol.
+
+The names below are loaded on first use (PEP 562): the driver takes leases and checks storage through this
+package's torch-free modules (``lease``, ``storage``, ``preflight``) without importing torch, which only the
+workers and the checkpoint tools need.
 """
 
-from .errors import CheckpointError, CheckpointFenced, CheckpointSetupError
-from .inspect import format_checkpoint_detail, format_checkpoint_list
-from .manager import CheckpointInfo, CheckpointManager, LoadedCheckpoint
-from .manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, ManifestError
-from .preflight import open_storage, preflight_storage
-from .storage import CheckpointStorage, step_dirname
+from __future__ import annotations
 
-__all__ = [
-    "FORMAT_VERSION",
-    "MANIFEST_NAME",
-    "CheckpointError",
-    "CheckpointFenced",
-    "CheckpointInfo",
-    "CheckpointManager",
-    "CheckpointSetupError",
-    "CheckpointStorage",
-    "FileEntry",
-    "LoadedCheckpoint",
-    "Manifest",
-    "ManifestError",
-    "format_checkpoint_detail",
-    "format_checkpoint_list",
-    "open_storage",
-    "preflight_storage",
-    "step_dirname",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "CheckpointError": "errors", "CheckpointFenced": "errors", "CheckpointSetupError": "errors",
+    "format_checkpoint_detail": "inspect", "format_checkpoint_list": "inspect",
+    "CheckpointInfo": "manager", "CheckpointManager": "manager", "LoadedCheckpoint": "manager",
+    "FORMAT_VERSION": "manifest", "MANIFEST_NAME": "manifest", "FileEntry": "manifest", "Manifest": "manifest",
+    "ManifestError": "manifest",
+    "open_storage": "preflight", "preflight_storage": "preflight",
+    "CheckpointStorage": "storage", "step_dirname": "storage",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value

@@ -38,15 +38,47 @@ OWN_BOUNDS: dict[str, dict[str, Bound]] = {
 }
 
 
-def check_target_args(key: str, target: str, obj: Any, kwargs: dict[str, Any],
-                      params: typing.Mapping[str, inspect.Parameter]) -> None:
-    """Raise ConfigError for the first argument of ``kwargs`` that ``obj`` (the target ``target`` of node
-    ``key``) cannot take: the wrong kind of value for a numeric parameter, or one out of its bounds."""
+def target_facts(obj: Any) -> dict[str, Any]:
+    """What checking a target's arguments needs to know of it, as JSON (so it can be remembered without the
+    target: orchestrator/config/checked_targets.py): whether it has a signature, whether it takes ``**kwargs``,
+    and per parameter ``[name, required, numeric kind]`` (kind: ``int``, ``number``, ``sequence`` or None)."""
+    try:
+        params = inspect.signature(obj).parameters
+    except (TypeError, ValueError):
+        return {"signature": False, "var_keyword": True, "params": []}  # builtins: instantiate will tell
     hints = _hints(obj)
+    return {"signature": True, "var_keyword": any(p.kind is p.VAR_KEYWORD for p in params.values()),
+            "params": [[name, p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY),
+                        _numeric_kind(hints.get(name), p.default)] for name, p in params.items()]}
+
+
+def facts_valid(facts: Any) -> bool:
+    """Whether ``facts`` has the shape :func:`target_facts` gives (a remembered answer is checked, not trusted)."""
+    return (isinstance(facts, dict) and isinstance(facts.get("signature"), bool)
+            and isinstance(facts.get("var_keyword"), bool) and isinstance(facts.get("params"), list)
+            and all(isinstance(p, list) and len(p) == 3 and isinstance(p[0], str) for p in facts["params"]))
+
+
+def check_target_args(key: str, target: str, facts: dict[str, Any], kwargs: dict[str, Any],
+                      supplied: tuple = ()) -> None:
+    """Raise ConfigError for the first argument of ``kwargs`` that the target ``target`` of node ``key`` (known
+    by its ``facts``) cannot take: one it does not accept, one it requires and is missing (``supplied``: those
+    the runtime passes itself), the wrong kind of value for a numeric parameter, or one out of its bounds."""
+    if not facts["signature"]:
+        return
+    params = {name: (required, kind) for name, required, kind in facts["params"]}
+    if not facts["var_keyword"]:
+        unknown = sorted(set(kwargs) - set(params))
+        if unknown:
+            raise ConfigError(f"{key}.{unknown[0]}", kwargs[unknown[0]],
+                              f"{target} accepts: {', '.join(p for p in params if p not in supplied)}",
+                              "is not an argument of the target")
+    missing = [n for n, (required, _) in params.items() if required and n not in kwargs and n not in supplied]
+    if missing:
+        raise ConfigError(f"{key}.{missing[0]}", None, f"set it with +{key}.{missing[0]}=...", "is required by the target")
     bounds = {**BOUNDS.get(key, {}), **(OWN_BOUNDS.get(key, {}) if target.startswith("orchestrator.") else {})}
     for name, value in kwargs.items():
-        param = params.get(name)
-        kind = _numeric_kind(hints.get(name), param.default if param is not None else inspect.Parameter.empty)
+        kind = params.get(name, (False, None))[1]
         if kind is None or value is None:
             continue
         numbers = list(value) if kind == "sequence" and isinstance(value, (list, tuple)) else [value]
@@ -54,8 +86,6 @@ def check_target_args(key: str, target: str, obj: Any, kwargs: dict[str, Any],
             _check_number(f"{key}.{name}", value, number, "int" if kind == "int" else "number", target)
             if name in bounds and not bounds[name][0](number):
                 raise ConfigError(f"{key}.{name}", value, bounds[name][1], "is out of range")
-    if key == "optim" and target.startswith("torch.optim."):
-        _construct_optimizer(target, obj, kwargs)
 
 
 def _check_number(key: str, value: Any, number: Any, kind: str, target: str) -> None:
@@ -105,12 +135,19 @@ def _hints(obj: Any) -> dict[str, Any]:
 EXECUTION_FLAGS = ("fused", "foreach", "capturable", "differentiable")
 
 
-def _construct_optimizer(target: str, cls: Any, kwargs: dict[str, Any]) -> None:
-    """torch's optimizers check their own arguments in ``__init__`` (``nesterov`` needs momentum, ...)."""
+def constructs(key: str, target: str) -> bool:
+    """Whether the target's own constructor is the last check (torch's optimizers check their own arguments in
+    ``__init__``: ``nesterov`` needs momentum, ...)."""
+    return key == "optim" and target.startswith("torch.optim.")
+
+
+def construct_optimizer(target: str, cls: Any, kwargs: dict[str, Any]) -> None:
+    """Construct optimizer class ``cls`` once on a one-element tensor; ConfigError if it refuses ``kwargs``
+    (without the EXECUTION_FLAGS: they depend on the device the run has, not this one)."""
     import torch
 
     try:
-        cls([torch.zeros(1, requires_grad=True)], **{k: v for k, v in kwargs.items() if k not in EXECUTION_FLAGS})
+        cls([torch.zeros(1, requires_grad=True)], **kwargs)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise ConfigError("optim", target, "change the optim.* argument it names (see conf/optim/ and the "
                           "torch.optim documentation)", f"refuses its arguments ({str(exc).splitlines()[0]})") from None

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import inspect
+import importlib
 from typing import Any
 
-import importlib
-
+from orchestrator.config.checked_targets import remembered
 from orchestrator.config.schema import OrchConfig
-from orchestrator.config.target_args import check_target_args
+from orchestrator.config.target_args import (EXECUTION_FLAGS, check_target_args, construct_optimizer, constructs,
+                                             facts_valid, target_facts)
 from orchestrator.config.values import check_numbers
 from orchestrator.errors import ConfigError
 
@@ -71,7 +71,8 @@ def _check_parallelism(cfg: OrchConfig) -> None:
 
 
 def _check_per_step(cfg: OrchConfig) -> None:
-    """fault_tolerance.mode=per_step needs torchft, a Lighthouse the launcher hosts, and data drawn step by step."""
+    """fault_tolerance.mode=per_step needs torchft, a quorum service (the launch's, or the job's
+    ``orch quorum-service`` in a pod), and data drawn step by step."""
     if cfg.fault_tolerance.mode != "per_step":
         return
     from orchestrator.config.extras import torchft_problem
@@ -80,10 +81,12 @@ def _check_per_step(cfg: OrchConfig) -> None:
     if problem:
         raise ConfigError("fault_tolerance.mode", "per_step", "pip install 'orch[ft]' (torchft-nightly, see "
                           "pyproject.toml), or use fault_tolerance.mode=restart", problem)
-    if cfg.cluster.node_index is not None or cfg.rendezvous.external:
-        raise ConfigError("fault_tolerance.mode", "per_step", "use fault_tolerance.mode=restart in Kubernetes pods "
-                          "(launcher=local or launcher=ray host the Lighthouse)",
-                          "needs the torchft Lighthouse in orch's driver, which a pod of a multi-pod job does not run")
+    pod = cfg.cluster.node_index is not None or cfg.rendezvous.external
+    if pod and not cfg.fault_tolerance.quorum_endpoint:
+        raise ConfigError("fault_tolerance.quorum_endpoint", None, "set fault_tolerance.quorum_endpoint=HOST:PORT of "
+                          "the job's orch quorum-service (orch k8s render does), or use fault_tolerance.mode=restart",
+                          "is unset, but under fault_tolerance.mode=per_step a pod of a multi-pod job "
+                          "(cluster.node_index, rendezvous.external) hosts no quorum service of its own")
     if cfg.entrypoint.builtin and cfg.data.num_workers > 0:
         raise ConfigError("data.num_workers", cfg.data.num_workers, "use data.num_workers=0 with "
                           "fault_tolerance.mode=per_step",
@@ -137,33 +140,27 @@ def _lcm_batch(cfg: OrchConfig) -> int:
 
 
 def check_instantiable(key: str, node: Any, supplied: tuple = ()) -> None:
-    """``node`` has an importable ``_target_`` whose signature accepts its keys (plus ``supplied`` ones)."""
+    """``node`` has an importable ``_target_`` whose signature accepts its keys (plus ``supplied`` ones). The
+    target is imported only when what it takes is not known already (checked_targets)."""
     if not isinstance(node, dict) or "_target_" not in node:
         raise ConfigError(key, node, f"give {key} a _target_ (see conf/{key.split('.')[0]}/ for built-ins)",
                           "is not instantiable")
-    target = node["_target_"]
+    target = str(node["_target_"])
+    kwargs = {k: v for k, v in node.items() if not k.startswith("_")}
+    facts = remembered(["facts", target], target, lambda: target_facts(_import_target(key, target)), facts_valid)
+    check_target_args(key, target, facts, kwargs, supplied)
+    if constructs(key, target):
+        clean = {k: v for k, v in kwargs.items() if k not in EXECUTION_FLAGS}
+        remembered(["constructs", target, clean], target,
+                   lambda: construct_optimizer(target, _import_target(key, target), clean) or True)
+
+
+def _import_target(key: str, target: str) -> Any:
     try:
-        obj = locate(target)
+        return locate(target)
     except (ImportError, AttributeError, ValueError) as exc:
         raise ConfigError(f"{key}._target_", target, "give an importable dotted path (module.Class)",
                           f"cannot be imported ({type(exc).__name__})") from None
-    kwargs = {k: v for k, v in node.items() if not k.startswith("_")}
-    try:
-        signature = inspect.signature(obj)
-    except (TypeError, ValueError):
-        return  # builtins without a signature: instantiate will tell
-    params = signature.parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        unknown = sorted(set(kwargs) - set(params))
-        if unknown:
-            raise ConfigError(f"{key}.{unknown[0]}", kwargs[unknown[0]],
-                              f"{target} accepts: {', '.join(p for p in params if p not in supplied)}",
-                              "is not an argument of the target")
-    missing = [n for n, p in params.items() if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-               and n not in kwargs and n not in supplied]
-    if missing:
-        raise ConfigError(f"{key}.{missing[0]}", None, f"set it with +{key}.{missing[0]}=...", "is required by the target")
-    check_target_args(key, str(target), obj, kwargs, params)
 
 
 def locate(path: str) -> Any:

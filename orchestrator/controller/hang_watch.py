@@ -14,9 +14,8 @@ import psutil
 
 from orchestrator.config.schema import HangConfig
 from orchestrator.controller.hang_policy import Beat, StragglerWatch, hang_threshold, hung, read_beats
-from orchestrator.elastic.heartbeat import HEARTBEATS_DIR, STACK_SIGNAL, STACKS_DIR, heartbeat_name
 from orchestrator.events import HangDetected, Straggler
-from orchestrator.rundir import EventLog
+from orchestrator.rundir import HEARTBEATS_DIR, STACK_SIGNAL, STACKS_DIR, EventLog, heartbeat_name
 
 CHECK_INTERVAL_S = 1.0
 STACK_WAIT_S = 3.0

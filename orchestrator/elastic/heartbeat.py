@@ -16,22 +16,15 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
-import signal
 import threading
 import time
 from pathlib import Path
 from typing import Optional
 
+from orchestrator.rundir import HEARTBEATS_DIR, STACK_SIGNAL, STACKS_DIR, heartbeat_name  # noqa: F401 (the files' contract)
 from orchestrator.runtime.distributed import DistContext
 
-HEARTBEATS_DIR = "heartbeats"
-STACKS_DIR = "stacks"
-STACK_SIGNAL = signal.SIGUSR2
 EMA = 0.2  # weight of the newest step in the moving averages
-
-
-def heartbeat_name(node: int, rank: int) -> str:
-    return f"node{node}-rank{rank}"
 
 
 class Heartbeat:
