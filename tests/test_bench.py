@@ -81,7 +81,8 @@ def test_goodput_per_step_runs_both_modes_on_the_elastic_job_and_reports_time_to
         launches.append((run_dir.name, overrides))
         preempted = run_dir.name == "preempted"
         return {"goodput": {"goodput": 0.9 if preempted else 0.95, "lost_steps": 0, "badput": {"quorum_wait_s": 1.0}},
-                "preemptions": 3 if preempted else 0, "wall_s": 200.0 if preempted else 180.0}
+                "preemptions": 3 if preempted else 0, "wall_s": 200.0 if preempted else 180.0,
+                "_survivor_pauses": [0.1, 0.2, 0.05, 0.25] if preempted else []}
 
     monkeypatch.setattr(goodput, "run_job", fake_run_job)
     out = tmp_path / "goodput.json"
@@ -93,7 +94,25 @@ def test_goodput_per_step_runs_both_modes_on_the_elastic_job_and_reports_time_to
     r = both["per_step"]
     assert r["ratio"] == pytest.approx(0.9 / 0.95) and r["time_to_train_ratio"] == pytest.approx(180 / 200)
     assert r["overrides"] == [*goodput.JOB, "cluster.nnodes=1:2", "fault_tolerance.mode=per_step"]
-    assert "time-to-train ratio" in capsys.readouterr().out
+    assert r["survivor_pause_per_preemption_s"] == pytest.approx(0.6 / 3) and "survivor_pause_per_preemption_s" not in both["restart"]
+    printed = capsys.readouterr().out
+    assert "time-to-train ratio" in printed and "pause per preemption: 0.2 s" in printed
+
+
+def test_survivor_pauses_are_the_excess_of_the_windows_where_the_quorum_changed():
+    """Records every 5 steps; a step takes 0.1 s at world 2, 0.2 s at world 1. A group leaves: step 17 is the
+    first of the quorum of one (window 15..20: 1 step at world 2 and 4 at world 1, 0.3 s more than that); it
+    joins again: step 32 is the first of the quorum of two (window 30..35: 0.5 s more)."""
+    from orchestrator.bench.goodput import survivor_pauses
+
+    at = [(5, 0.5, 2), (10, 1.0, 2), (15, 1.5, 2), (20, 2.7, 1), (25, 3.7, 1), (30, 4.7, 1), (35, 5.8, 2),
+          (40, 6.3, 2), (45, 6.8, 2), (50, 7.3, 2)]
+    metrics = [{"t": t, "step": step, "world_size": world} for step, t, world in at]
+    events = [{"event": "quorum_changed", "t": 0.1, "step": 1, "replicas": 2, "previous": None, "world_size": 2},
+              {"event": "quorum_changed", "t": 2.2, "step": 17, "replicas": 1, "previous": 2, "world_size": 1},
+              {"event": "quorum_changed", "t": 5.2, "step": 32, "replicas": 2, "previous": 1, "world_size": 2}]
+    assert survivor_pauses(events, metrics) == pytest.approx([0.3, 0.5])
+
 
 
 @pytest.mark.slow
