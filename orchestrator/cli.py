@@ -201,6 +201,24 @@ def cmd_rendezvous_store(args: argparse.Namespace) -> int:
                           f"cannot be bound on {args.host} ({e.strerror or e})") from None
 
 
+def cmd_quorum_service(args: argparse.Namespace) -> int:
+    from orchestrator.errors import ConfigError
+    from orchestrator.k8s.quorum import serve_quorum
+
+    if not 0 <= args.port <= 65535:
+        raise ConfigError("--port", args.port, "use 0 (a free port) to 65535", "is not a TCP port")
+    for flag in ("min_replicas", "join_timeout_ms", "quorum_tick_ms", "heartbeat_timeout_ms"):
+        if getattr(args, flag) <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')}", getattr(args, flag), "use a positive number",
+                              "is not positive")
+    try:
+        return serve_quorum(args.port, args.min_replicas, args.join_timeout_ms, args.quorum_tick_ms,
+                            args.heartbeat_timeout_ms, say=lambda line: print(line, flush=True), host=args.host)
+    except OSError as e:
+        raise ConfigError("--port", args.port, "stop what holds it or pick another port (0: a free one)",
+                          f"cannot be bound on {args.host} ({e.strerror or e})") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="orch", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -346,6 +364,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0: every IPv4 interface of "
                                                      "the store pod, which the Service routes to; :: for IPv6)")
     p.set_defaults(func=cmd_rendezvous_store)
+
+    p = sub.add_parser("quorum-service", help="host per_step's quorum service on its own (a Kubernetes job's Lighthouse pod)",
+                       description="Host the quorum service of fault_tolerance.mode=per_step (torchft's Lighthouse "
+                                   "rules) until SIGTERM, admitting only clients that prove the run's secret "
+                                   "(ORCH_RUN_SECRET, required). Nodes dial it with "
+                                   "fault_tolerance.quorum_endpoint=HOST:PORT. See docs/kubernetes.md.")
+    p.add_argument("--port", type=int, default=29401, help="TCP port (default 29401; 0: a free one)")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0: every IPv4 interface of "
+                                                     "the pod, which the Service routes to; :: for IPv6)")
+    p.add_argument("--min-replicas", type=int, default=1, help="replica groups a quorum needs (cluster.nnodes MIN)")
+    p.add_argument("--join-timeout-ms", type=int, default=1000, help="fault_tolerance.join_timeout_ms")
+    p.add_argument("--quorum-tick-ms", type=int, default=50, help="fault_tolerance.quorum_tick_ms")
+    p.add_argument("--heartbeat-timeout-ms", type=int, default=1000, help="fault_tolerance.heartbeat_timeout_ms")
+    p.set_defaults(func=cmd_quorum_service)
     return parser
 
 

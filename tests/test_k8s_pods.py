@@ -5,7 +5,8 @@ that pod's environment (env, envFrom Secrets, downward-API fields, ``$(VAR)`` ex
 own (its filesystem). Checkpoints go to S3 (moto's server), which every pod reaches, as in a cluster.
 
 Service DNS: /etc/hosts is not ours to edit, so the emulated kubelet resolves a Service's DNS name (or a JobSet
-pod's hostname) where it stands as a value (``rendezvous.host=<service>`` in args, or an env value) to 127.0.0.1,
+pod's hostname) where it stands as a value (``rendezvous.host=<service>`` or ``...=<service>:<port>`` in args, or
+an env value) to 127.0.0.1,
 the address every emulated pod has. An emptyDir's mount path standing as an env value (``HOME=/tmp``) becomes
 a directory of the pod's own. Ports are picked free at run time and rendered into the manifests.
 """
@@ -29,6 +30,7 @@ from orchestrator.cli import main as orch_main
 from orchestrator.config.compose import compose_config
 from orchestrator.errors import ConfigError
 from orchestrator.k8s import render
+from orchestrator.processes import kill_tree
 from orchproc import orch_env, read_jsonl, stop_tree, wait_for
 
 POD_IP = "127.0.0.1"
@@ -132,10 +134,12 @@ class Kubelet:
         return env
 
     def resolve(self, value: str) -> str:
-        """A Service's DNS name standing as a value (``key=<name>`` or the whole value) -> the pods' address."""
+        """A Service's DNS name standing as a value (``key=<name>``, ``key=<name>:<port>`` or the whole value) ->
+        the pods' address."""
         key, eq, rest = value.rpartition("=")
-        if rest in self.dns:
-            return f"{key}{eq}{POD_IP}"
+        host, colon, port = rest.rpartition(":") if rest.rpartition(":")[2].isdigit() else (rest, "", "")
+        if host in self.dns:
+            return f"{key}{eq}{POD_IP}{colon}{port}"
         return value
 
     def events(self, name: str) -> list[dict[str, Any]]:
@@ -169,12 +173,32 @@ def of_kind(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return obj
 
 
+def deployment_template(objects: list[dict[str, Any]], component: str) -> dict[str, Any]:
+    """The pod template of the Deployment of ``component`` (``rendezvous-store``, ``quorum-service``)."""
+    (obj,) = [o for o in objects if o["kind"] == "Deployment"
+              and o["metadata"]["labels"]["app.kubernetes.io/component"] == component]
+    return obj["spec"]["template"]
+
+
 def store_and_node_job(objects: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The store's pod template and the node Job's spec, in either layout."""
     if any(o["kind"] == "JobSet" for o in objects):
         store, node = of_kind(objects, "JobSet")["spec"]["replicatedJobs"]
         return store["template"]["spec"]["template"], node["template"]["spec"]
-    return of_kind(objects, "Deployment")["spec"]["template"], of_kind(objects, "Job")["spec"]
+    return deployment_template(objects, "rendezvous-store"), of_kind(objects, "Job")["spec"]
+
+
+def run_secret_of(template: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """The Secret the header says to create (``<job name>-run-secret``, key ``secret``), with a fresh value, as
+    ``kubectl create secret`` would make it: the store (and quorum service) are gated by default."""
+    (gate,) = [e["valueFrom"]["secretKeyRef"] for e in template["spec"]["containers"][0]["env"]
+               if e["name"] == "ORCH_RUN_SECRET"]
+    return {gate["name"]: {gate["key"]: secrets.token_hex(32)}}
+
+
+def s3_secret(endpoint: str) -> dict[str, str]:
+    return {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_ENDPOINT_URL": endpoint,
+            "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 @pytest.mark.slow
@@ -185,14 +209,9 @@ def test_job_pods_train_checkpoint_on_sigterm_and_the_recreated_pod_resumes(tmp_
     objects = render("cpu_gloo", [f"checkpoint.url=s3://{s3_bucket}/cpu_gloo", f"rendezvous.port={port}",
                                   f"trainer.max_steps={steps}", "trainer.log_every=20", "checkpoint.every_n_steps=0"],
                      fmt).objects
-    secret = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_ENDPOINT_URL": s3_env,
-              "AWS_DEFAULT_REGION": "us-east-1"}
     store_template, job = store_and_node_job(objects)
-    # The store is gated by default: the Secret the header says to create, `<job name>-run-secret`, key `secret`.
-    (gate,) = [e["valueFrom"]["secretKeyRef"] for e in store_template["spec"]["containers"][0]["env"]
-               if e["name"] == "ORCH_RUN_SECRET"]
-    run_secret = {gate["name"]: {gate["key"]: secrets.token_hex(32)}}
-    kubelet = Kubelet(objects, {"orch-checkpoint-credentials": secret, **run_secret}, tmp_path / "pods")
+    kubelet = Kubelet(objects, {"orch-checkpoint-credentials": s3_secret(s3_env), **run_secret_of(store_template)},
+                      tmp_path / "pods")
     template, nodes = job["template"], job["parallelism"]
     grace = template["spec"]["terminationGracePeriodSeconds"]
     try:
@@ -225,6 +244,67 @@ def test_job_pods_train_checkpoint_on_sigterm_and_the_recreated_pod_resumes(tmp_
         assert store.wait(30) == 0, store.log_tail()
     finally:
         kubelet.stop_all()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_per_step_pods_survive_a_pod_kill_and_the_recreated_pod_heals_from_its_peer(tmp_path, s3_env, s3_bucket):
+    """fault_tolerance.mode=per_step in the job format: the store's and the quorum service's Deployments, two node
+    pods, each a replica group. SIGKILL one pod whole (a node lost with it: nothing is told, its heartbeats stop):
+    the other keeps training with no restart; the recreated pod heals from its peer, not from storage."""
+    port, qport = free_port(), free_port()
+    objects = render("cpu_elastic", ["fault_tolerance.mode=per_step", f"checkpoint.url=s3://{s3_bucket}/per_step",
+                                     f"rendezvous.port={port}", f"k8s.quorum_port={qport}", "cluster.nnodes=1:2",
+                                     "trainer.max_steps=100000", "checkpoint.every_n_steps=0"], "job").objects
+    store_template, job = store_and_node_job(objects)
+    quorum_template = deployment_template(objects, "quorum-service")
+    kubelet = Kubelet(objects, {"orch-checkpoint-credentials": s3_secret(s3_env), **run_secret_of(store_template)},
+                      tmp_path / "pods")
+    template = job["template"]
+    try:
+        services = [kubelet.run(store_template, "orch-rdzv-x1"), kubelet.run(quorum_template, "orch-quorum-x1")]
+        for pod, p in zip(services, (port, qport)):
+            wait_for(lambda: port_open(p) or pod.proc.poll() is not None, 60, f"{pod.name}'s readiness (tcp)")
+            assert pod.proc.poll() is None, pod.log_tail()
+        trainers = {i: kubelet.run(template, f"orch-{i}-a0", index=i) for i in range(2)}
+        logs = lambda: "\n".join(p.log_tail() for p in [*services, *trainers.values()])  # noqa: E731
+        wait_for(lambda: [e for e in kubelet.events("quorum_changed") if e["replicas"] == 2]
+                 or any(p.proc.poll() is not None for p in trainers.values()), 240, "both groups in one quorum")
+        assert all(p.proc.poll() is None for p in trainers.values()), logs()
+        listeners = {c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == qport}
+        assert listeners == {services[1].pid}, "only the quorum service's pod hosts the quorum"
+
+        before = max_step(kubelet)
+        killed = time.time()
+        kill_tree(trainers[1].pid)  # the pod's every process, at once: nothing of it says goodbye
+        trainers[1].wait(30)
+        shrunk = wait_for(lambda: [e for e in kubelet.events("quorum_changed") if e["t"] > killed and e["replicas"] == 1],
+                          120, "the survivor's quorum without the killed pod")[0]
+        wait_for(lambda: max_step(kubelet) >= shrunk["step"] + 5, 120, "the survivor training on alone")
+        assert trainers[0].proc.poll() is None and shrunk["step"] > before, logs()
+
+        trainers[1] = kubelet.run(template, "orch-1-a1", index=1)  # the Job recreates the pod of that index
+        healed = wait_for(lambda: [e for e in kubelet.events("replica_healed") if e["t"] > killed], 240,
+                          "the recreated pod healing from its peer")[0]
+        assert healed["node"] == 1 and healed["source_node"] == 0 and healed["checkpoint_read"] is False, healed
+        assert healed["params_sha256"] == healed["source_params_sha256"] and healed["step"] > shrunk["step"]
+        wait_for(lambda: [e for e in kubelet.events("quorum_changed") if e["t"] > healed["t"] and e["replicas"] == 2],
+                 120, "both groups in one quorum again")
+        assert all(p.proc.poll() is None for p in [*services, *trainers.values()]), logs()
+        assert not kubelet.events("restart"), "no pod's workers restarted"
+        assert not kubelet.events("checkpoint_loaded"), "nothing was read from storage"
+        print(f"pod kill -> survivor's next quorum: {shrunk['t'] - killed:.2f} s (heartbeat timeout 1 s)")
+    finally:
+        kubelet.stop_all()
+    text = "".join((p.workdir / "pod.log").read_text() for p in kubelet.pods)
+    for secret in (v for values in kubelet.secrets.values() for k, v in values.items() if k == "secret"):
+        assert secret not in text, "the run's secret reached a pod's log"
+
+
+def max_step(kubelet: Kubelet) -> int:
+    """The newest step any pod's metrics hold."""
+    return max((m["step"] for path in kubelet.root.glob("*/runs/*/*/metrics.jsonl") for m in read_jsonl(path)),
+               default=0)
 
 
 def launch_dry_run(capsys, args: list[str]) -> str:

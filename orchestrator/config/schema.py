@@ -19,7 +19,7 @@ from omegaconf import MISSING
 
 from orchestrator.config import k8s_checks
 from orchestrator.config.k8s_checks import DNS_LABEL, LABEL_VALUE, QUANTITY
-from orchestrator.config.values import check_host, check_ray_address, check_run_id, check_url_host
+from orchestrator.config.values import check_endpoint, check_host, check_ray_address, check_run_id, check_url_host
 from orchestrator.errors import ConfigError
 
 BACKENDS = ("nccl", "gloo")
@@ -575,6 +575,9 @@ class K8sConfig:
     you create before applying (the manifest's header says how). ``''``: ungated, only the NetworkPolicy guards
     the store (said as a warning on every render). Formats whose pods dial ``orch rendezvous-store`` only: rayjob
     refuses a name (the Ray launcher gates its own store per launch)."""
+    quorum_port: int = 29401
+    """``fault_tolerance.mode=per_step``: the port of the quorum service (``orch quorum-service``, torchft's
+    Lighthouse rules behind the run's gate), its Service's and its container's."""
     automount_service_account_token: bool = False
     """``automountServiceAccountToken`` of every pod: orch's pods never call the Kubernetes API, so none gets a
     token to it unless this is ``true`` (for code of yours that does; IRSA, GKE and Azure workload identity do not
@@ -614,6 +617,7 @@ class K8sConfig:
         k8s_checks.check_secrets(self.secrets)
         k8s_checks.check_volumes(self.volumes)
         k8s_checks.check_run_secret(self.run_secret)
+        _require("k8s.quorum_port", self.quorum_port, 0 < self.quorum_port < 65536, "use a TCP port, e.g. 29401")
         if self.gpu_resource_name is not None:
             k8s_checks.check_resource_name("k8s.gpu_resource_name", self.gpu_resource_name)
 
@@ -667,6 +671,11 @@ class FaultToleranceConfig:
     instead of waiting ``backend.timeout_s``."""
     quorum_timeout_s: float = 60.0
     """per_step: how long a replica group waits for a quorum (fewer than ``cluster`` MIN live groups)."""
+    quorum_endpoint: Optional[str] = None
+    """per_step: ``HOST:PORT`` of an ``orch quorum-service`` to dial (a Kubernetes job's Lighthouse Service,
+    which ``orch k8s render`` sets in every node pod's arguments) instead of the launch hosting the quorum service
+    behind its own gate; ``null``: the launch hosts it. A pod of a multi-pod job (``cluster.node_index``) needs
+    one."""
 
     def __post_init__(self) -> None:
         _one_of("fault_tolerance.mode", self.mode, FT_MODES)
@@ -676,6 +685,10 @@ class FaultToleranceConfig:
         for key in ("collective_timeout_s", "quorum_timeout_s"):
             value = getattr(self, key)
             _require(f"fault_tolerance.{key}", value, 0 < value < float("inf"), "use a positive number of seconds")
+        if self.quorum_endpoint is not None:
+            check_endpoint("fault_tolerance.quorum_endpoint", self.quorum_endpoint,
+                           "use HOST:PORT of the job's orch quorum-service, e.g. orch-exp1-quorum:29401, or null "
+                           "(the launch hosts the quorum service)")
 
 
 WANDB_MODES = ("offline", "online", "disabled")

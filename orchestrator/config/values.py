@@ -97,6 +97,16 @@ def check_ray_address(address: Any) -> None:
         _check_port("cluster.address", address, int(port) if port.isdigit() else -1, fix)
 
 
+def check_endpoint(key: str, value: Any, fix: str) -> None:
+    """``HOST:PORT`` (an IPv6 address in brackets), with a valid host and a TCP port."""
+    text = str(value)
+    host, colon, port = text.rpartition(":")
+    if not colon:
+        raise ConfigError(key, value, fix, "has no port")
+    check_host(key, value, fix, host=host.strip("[]"))
+    _check_port(key, value, int(port) if port.isdigit() else -1, fix)
+
+
 def _check_port(key: str, value: Any, port: int | None, fix: str) -> None:
     """``port`` None means none was given (the scheme's default)."""
     if port is not None and not 0 < port < 65536:

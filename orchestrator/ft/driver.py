@@ -10,13 +10,18 @@ quorum). :func:`driver_mode` resolves ``fault_tolerance.mode`` by name.
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from typing import Any, Optional, Protocol
 
 from orchestrator.config.schema import OrchConfig
+from orchestrator.errors import ConfigError, RunFailed
 from orchestrator.events import ReplicaDropped, RendezvousEvicted, RendezvousReopened
 from orchestrator.ft import ADDR_ENV, QUORUM_ENV, REPLICA_ENV
 from orchestrator.rendezvous.args import AgentRendezvous
 from orchestrator.rundir import EventLog
+from orchestrator.trust.secret import RUN_SECRET_ENV
 
 
 class DriverMode(Protocol):
@@ -102,24 +107,29 @@ class RestartMode:
 
 class PerStepMode(RestartMode):
     """``per_step``: every agent a replica group of its own (a one-node rendezvous no other agent joins); the
-    quorum service in the driver forms a quorum of the live groups at every step (:mod:`orchestrator.ft.quorum`)."""
+    quorum service forms a quorum of the live groups at every step (:mod:`orchestrator.ft.quorum`). The driver
+    hosts it behind the run's gate, unless ``fault_tolerance.quorum_endpoint`` names one elsewhere (a Kubernetes
+    job's ``orch quorum-service``): then the agents dial that, and a departed agent is dropped there
+    (:class:`RemoteQuorum`)."""
 
     name = "per_step"
 
     def __init__(self, cfg: OrchConfig):
         super().__init__(cfg)
         self.quorum: Any = None
+        self.remote: Optional[RemoteQuorum] = None
 
     def nnodes(self) -> str:
         return "1"
 
     def plan_env(self, gate: str, node_address: str) -> dict[str, str]:
-        return {QUORUM_ENV: gate, ADDR_ENV: node_address}
+        return {QUORUM_ENV: self.cfg.fault_tolerance.quorum_endpoint or gate, ADDR_ENV: node_address}
 
     def plan_settings(self) -> dict[str, Any]:
         ft = self.cfg.fault_tolerance
         return {"mode": self.name, "heartbeat_timeout_ms": ft.heartbeat_timeout_ms,
-                "collective_timeout_s": ft.collective_timeout_s}
+                "collective_timeout_s": ft.collective_timeout_s,
+                **({"quorum_endpoint": ft.quorum_endpoint} if ft.quorum_endpoint else {})}
 
     def plan_notes(self) -> list[str]:
         c = self.cfg.cluster
@@ -141,6 +151,10 @@ class PerStepMode(RestartMode):
         from orchestrator.ft.quorum import ROUTE, QuorumService
 
         super().host(store, events)
+        endpoint = self.cfg.fault_tolerance.quorum_endpoint
+        if endpoint:
+            self.remote = RemoteQuorum(endpoint, events, self.cfg.rendezvous.join_timeout_s)
+            return
         if store is None:
             return
         ft = self.cfg.fault_tolerance
@@ -153,10 +167,70 @@ class PerStepMode(RestartMode):
         """Its group's rendezvous was its own; the quorum drops it now, not after its heartbeats age out."""
         if self.quorum is not None:
             self.quorum.drop(self.replica_id(node, agent_id))
+        if self.remote is not None:
+            self.remote.drop(self.replica_id(node, agent_id))
 
     def close(self) -> None:
         if self.quorum is not None:
             self.quorum.close()
+        if self.remote is not None:
+            self.remote.close()
+
+
+class RemoteQuorum:
+    """The quorum service of another process (``orch quorum-service``, in a pod of its own), as a pod's driver
+    sees it: reachable through its gate with the run's secret (waited for up to ``wait_s`` when the launch
+    starts, since the pods of a job start in no particular order), and told at once of an agent of this pod
+    that exited (``drop``; ``replica_dropped`` events in this pod's run dir). A pod that is killed whole tells
+    nobody: its group drops out when its heartbeats age out (``fault_tolerance.heartbeat_timeout_ms``)."""
+
+    def __init__(self, endpoint: str, events: EventLog, wait_s: float):
+        from orchestrator.ft.coordination import QuorumClient
+
+        self.endpoint, self.events = endpoint, events
+        if not os.environ.get(RUN_SECRET_ENV):
+            raise ConfigError("fault_tolerance.quorum_endpoint", endpoint, "give the launch the run's secret in "
+                              f"{RUN_SECRET_ENV} (orch k8s render does, from the run's Secret: k8s.run_secret)",
+                              f"is an orch quorum-service, which admits only holders of the run's secret, but "
+                              f"{RUN_SECRET_ENV} is not set")
+        self.client = QuorumClient(endpoint, connect_timeout_s=10.0)
+        self._wait(wait_s)
+
+    def _wait(self, wait_s: float) -> None:
+        from orchestrator.trust.handshake import HandshakeError
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self.client.call("ping")
+                return
+            except HandshakeError as exc:  # it answered, but not as a holder of this secret: a retry cannot help
+                raise ConfigError("fault_tolerance.quorum_endpoint", self.endpoint, "give the quorum service and "
+                                  "every node the same run's secret (one Secret: k8s.run_secret)",
+                                  f"did not admit this launch ({exc})") from None
+            except OSError as exc:
+                if time.monotonic() >= deadline:
+                    raise RunFailed(f"the quorum service at {self.endpoint} did not answer within {wait_s:.0f} s "
+                                    f"(rendezvous.join_timeout_s): {exc}") from None
+                time.sleep(0.5)
+
+    def drop(self, prefix: str) -> None:
+        """Take the groups of ``prefix`` (an agent's replica id) out of the quorum, in the background: the
+        controller that calls this never waits on the network."""
+        threading.Thread(target=self._drop, args=(prefix,), daemon=True, name="orch-quorum-drop").start()
+
+    def _drop(self, prefix: str) -> None:
+        from orchestrator.ft.coordination import QuorumError
+
+        try:
+            dropped = self.client.call("drop", timeout_s=5.0, replica_id=prefix)["dropped"]
+        except (OSError, QuorumError, KeyError):
+            return  # its heartbeats age out instead
+        for rid in dropped:
+            self.events.write(ReplicaDropped(replica_id=rid, cause="agent_exited"))
+
+    def close(self) -> None:
+        self.client.close()
 
 
 MODES = {RestartMode.name: RestartMode, PerStepMode.name: PerStepMode}

@@ -1,5 +1,6 @@
-"""The per_step quorum service: what torchft's Lighthouse and its per-group ManagerServers do, in orch's driver,
-behind the run's gate (route :data:`ROUTE`).
+"""The per_step quorum service: what torchft's Lighthouse and its per-group ManagerServers do, in orch's driver
+(or in a process of its own, ``orch quorum-service``: a Kubernetes job's, see orchestrator/k8s/quorum.py), behind
+the run's gate (route :data:`ROUTE`).
 
 torchft's Lighthouse and ManagerServer are Rust gRPC servers with no authentication: the ManagerServer listens
 on every interface and obeys a ``Kill`` call from anyone, the Lighthouse's dashboard kills a replica for
@@ -80,10 +81,16 @@ class QuorumService:
 
     def __init__(self, min_replicas: int, join_timeout_ms: int, quorum_tick_ms: int, heartbeat_timeout_ms: int,
                  clock: Callable[[], float] = time.monotonic,
-                 on_drop: Callable[[str, str], None] = lambda replica_id, cause: None):
+                 on_drop: Callable[[str, str], None] = lambda replica_id, cause: None,
+                 disconnect_is_silence: bool = False):
         self.min_replicas = max(1, min_replicas)
         self.on_drop = on_drop
-        """Told ``(replica id, cause)`` of every group :meth:`drop` or :meth:`leave` took out (outside the lock)."""
+        """Told ``(replica id, cause)`` of every group :meth:`drop` or :meth:`leave` took out (outside the lock),
+        and, with ``disconnect_is_silence``, of every group whose heartbeat connection closed (``disconnected``)."""
+        self.disconnect_is_silence = disconnect_is_silence
+        """A group whose heartbeat connection closes counts at once as one whose heartbeats aged out: for a service
+        that sees no agent exit (``orch quorum-service`` in a pod of its own), where a pod killed whole closes its
+        connections as its processes die. Not a drop: a group that still beats is healthy again at its next beat."""
         self.join_timeout_s = join_timeout_ms / 1000
         self.tick_s = max(0.005, quorum_tick_ms / 1000)
         self.heartbeat_timeout_s = heartbeat_timeout_ms / 1000
@@ -222,6 +229,10 @@ class QuorumService:
         if op == "leave":
             self.leave(rid)
             return {}
+        if op == "drop":  # a pod's launch saw its agent exit (the service runs in a pod of its own)
+            return {"dropped": self.drop(rid)} if rid else {"error": "drop needs a replica_id"}
+        if op == "ping":  # a pod's launch waits for the service to admit it before starting its agent
+            return {}
         if op == "quorum":
             return self._quorum(rid, request)
         if op == "checkpoint_metadata":
@@ -291,11 +302,14 @@ class QuorumService:
     # -- the gate's side ---------------------------------------------------------------------------------
     def handler(self, sock: socket.socket, peer: str) -> None:
         """Serve one authenticated connection: a JSON request, a JSON answer, until the client hangs up."""
+        beating: set[str] = set()  # the groups whose heartbeats came on this connection
         try:
             while True:
                 request = recv_json(sock)
                 if not isinstance(request, dict):
                     raise FrameError("a request is a JSON object")
+                if request.get("op") == "heartbeat":
+                    beating.add(str(request.get("replica_id", "")))
                 try:
                     answer = self.call(request)
                 except (KeyError, TypeError, ValueError) as exc:
@@ -303,6 +317,19 @@ class QuorumService:
                 send_json(sock, answer)
         except (FrameError, OSError):
             pass
+        if self.disconnect_is_silence and beating:
+            self._silence(beating)
+
+    def _silence(self, replica_ids: set[str]) -> None:
+        """Their heartbeats stop counting now (see ``disconnect_is_silence``)."""
+        with self._lock:
+            if self._closed:
+                return
+            silenced = sorted(rid for rid in replica_ids if self._heartbeats.pop(rid, None) is not None)
+            self._evaluate()
+            self._lock.notify_all()
+        for rid in silenced:
+            self.on_drop(rid, "disconnected")
 
     def close(self) -> None:
         with self._lock:

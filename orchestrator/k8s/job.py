@@ -23,6 +23,7 @@ from orchestrator.k8s.names import check_names, object_name
 from orchestrator.k8s.pods import (PREEMPTED_EXIT, USER_ERROR_EXIT, metadata, node_launch_args, pod_spec,
                                    require_gpu_resource, require_shared_checkpoints, selector, store_service,
                                    template_metadata, training_container, training_env)
+from orchestrator.k8s.quorum import per_step_objects
 from orchestrator.k8s.security import run_network_policy
 from orchestrator.k8s.store import store_objects
 
@@ -84,4 +85,4 @@ def render_job(cfg: OrchConfig, overrides: Sequence[str]) -> list[dict[str, Any]
         "apiVersion": "v1", "kind": "Service", "metadata": metadata(cfg, headless, COMPONENT),
         "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": selector(cfg, COMPONENT)},
     }
-    return [*store_objects(cfg), trainer_policy(cfg), service, job]
+    return [*store_objects(cfg), *per_step_objects(cfg), trainer_policy(cfg), service, job]

@@ -21,6 +21,7 @@ from orchestrator.config.schema import OrchConfig
 from orchestrator.k8s.job import COMPONENT, CONTAINER, DISRUPTED, node_job_spec, require_runnable, trainer_policy
 from orchestrator.k8s.names import check_names, object_name
 from orchestrator.k8s.pods import metadata, template_metadata
+from orchestrator.k8s.quorum import per_step_objects
 from orchestrator.k8s.store import COMPONENT as STORE_COMPONENT
 from orchestrator.k8s.store import store_pod_template, store_policy
 
@@ -65,4 +66,4 @@ def render_jobset(cfg: OrchConfig, overrides: Sequence[str]) -> list[dict[str, A
     name = object_name(cfg)
     jobset = {"apiVersion": API_VERSION, "kind": "JobSet", "metadata": metadata(cfg, name, COMPONENT, workload=True),
               "spec": jobset_spec(cfg, overrides, name)}
-    return [store_policy(cfg), trainer_policy(cfg), jobset]
+    return [store_policy(cfg), *per_step_objects(cfg), trainer_policy(cfg), jobset]

@@ -38,6 +38,16 @@ def store_port(cfg: OrchConfig) -> int:
     return cfg.rendezvous.port or DEFAULT_STORE_PORT
 
 
+def quorum_service(cfg: OrchConfig) -> str:
+    """per_step: the Service (and Deployment) name of the job's quorum service; also its DNS name."""
+    return f"{object_name(cfg)}-quorum"
+
+
+def quorum_endpoint(cfg: OrchConfig) -> str:
+    """per_step: what every node pod dials for the quorum (``fault_tolerance.quorum_endpoint``)."""
+    return f"{quorum_service(cfg)}:{cfg.k8s.quorum_port}"
+
+
 def labels(cfg: OrchConfig, component: str) -> dict[str, str]:
     """Labels naming the run: every object and pod of one render carries the same instance label, and
     ``k8s.labels`` (orch's own keys win: selectors and the NetworkPolicy depend on them)."""
@@ -88,10 +98,13 @@ def passthrough(overrides: Iterable[str], set_here: Iterable[str]) -> list[str]:
 def node_launch_args(cfg: OrchConfig, overrides: Iterable[str], node_index: str,
                      store_host: Optional[str] = None) -> list[str]:
     """``orch launch`` for the one node of a pod: the local launcher, dialing the job's store (never hosting
-    one), under the run id every pod shares. ``node_index`` is the pod's index, e.g. ``$(JOB_COMPLETION_INDEX)``;
-    ``store_host`` the store's DNS name when it is not the store Service's."""
+    one) and, under per_step, the job's quorum service, under the run id every pod shares. ``node_index`` is the
+    pod's index, e.g. ``$(JOB_COMPLETION_INDEX)``; ``store_host`` the store's DNS name when it is not the store
+    Service's."""
     own = {"launcher": "local", "cluster.node_index": node_index, "rendezvous.external": "true",
            "rendezvous.host": store_host or store_service(cfg), "rendezvous.port": str(store_port(cfg)),
+           **({"fault_tolerance.quorum_endpoint": quorum_endpoint(cfg)}
+              if cfg.fault_tolerance.mode == "per_step" else {}),
            "run.id": cfg.run.id}
     return ["launch", f"conf={cfg.preset}", *passthrough(overrides, own), *(f"{k}={v}" for k, v in own.items())]
 

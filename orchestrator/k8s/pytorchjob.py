@@ -18,6 +18,7 @@ from orchestrator.k8s.job import require_runnable, trainer_policy
 from orchestrator.k8s.names import check_names, object_name
 from orchestrator.k8s.pods import (metadata, node_launch_args, pod_spec, store_port, store_service,
                                    template_metadata, training_container, training_env)
+from orchestrator.k8s.quorum import per_step_objects
 from orchestrator.k8s.store import store_objects
 from orchestrator.rendezvous.args import rendezvous_conf
 
@@ -55,4 +56,4 @@ def render_pytorchjob(cfg: OrchConfig, overrides: Sequence[str]) -> list[dict[st
             }},
         },
     }
-    return [*store_objects(cfg), trainer_policy(cfg), job]
+    return [*store_objects(cfg), *per_step_objects(cfg), trainer_policy(cfg), job]

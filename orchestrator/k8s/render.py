@@ -62,7 +62,9 @@ class Rendered:
         header = (f"# Rendered by `{self.command}`.\n"
                   "# Do not edit: change the config and render again (see docs/kubernetes.md).\n")
         if self.secret_command:
-            header += ("# The rendezvous store admits only holders of the run's secret. Create its Secret (the value\n"
+            gated = ("The rendezvous store and the quorum service admit" if _runs(self.objects, "quorum-service")
+                     else "The rendezvous store admits")
+            header += (f"# {gated} only holders of the run's secret. Create its Secret (the value\n"
                        f"# is in no manifest) before applying:\n#   {self.secret_command}\n")
         return header + "".join("---\n" + yaml.dump(obj, Dumper=_Dumper, sort_keys=True, default_flow_style=False, width=4096)
                                 for obj in self.objects)
@@ -119,6 +121,11 @@ def _gates_store(objects: list[dict[str, Any]]) -> bool:
     return any(e.get("name") == RUN_SECRET_ENV and "valueFrom" in e for c in _containers(objects) for e in c.get("env", []))
 
 
+def _runs(objects: list[dict[str, Any]], command: str) -> bool:
+    """Whether some container runs ``orch <command>`` (``rendezvous-store``, ``quorum-service``)."""
+    return any(c.get("args", [""])[0] == command for c in _containers(objects))
+
+
 def _warnings(cfg: OrchConfig, fmt: str, objects: list[dict[str, Any]], gated: bool) -> list[str]:
     """What renders but will disappoint or expose (several pods on pod-local checkpoints are refused outright)."""
     warnings = []
@@ -126,7 +133,7 @@ def _warnings(cfg: OrchConfig, fmt: str, objects: list[dict[str, Any]], gated: b
         warnings.append(f"checkpoint.url={cfg.checkpoint.url!r} is on the pod's own disk: a pod that replaces a "
                         f"preempted one starts again from step 0. Fix: checkpoint.url=s3://BUCKET/orch/{cfg.preset} "
                         "(or gs://...)")
-    if not gated and any(c.get("args", [""])[0] == "rendezvous-store" for c in _containers(objects)):
+    if not gated and _runs(objects, "rendezvous-store"):
         warnings.append("k8s.run_secret='': the rendezvous store is not gated; any pod that gets past its "
                         "NetworkPolicy (or where none is enforced) can join or rewrite the job's rendezvous. Fix: "
                         "drop k8s.run_secret (a Secret named after the job) or name one you created")

@@ -1,8 +1,8 @@
 """Security defaults of every pod: a non-root user, no privilege escalation, no capabilities, no Kubernetes API
 token (unless ``k8s.automount_service_account_token``), a read-only root filesystem with memory-light emptyDirs
 where orch and torch write (/tmp, the working directory), and NetworkPolicies that let only the job's own pods
-reach its pods: the rendezvous store on its port, the training pods on any port (torch's rank-0 store, gloo and
-NCCL listen on ports picked at run time)."""
+reach its pods: the rendezvous store (and per_step's quorum service) on its port, the training pods on any port
+(torch's rank-0 store, gloo and NCCL listen on ports picked at run time)."""
 
 from __future__ import annotations
 
@@ -52,8 +52,9 @@ def tcp_ports(*ports: int) -> list[dict[str, Any]]:
 
 
 def store_network_policy(cfg: OrchConfig, store_selector: dict[str, str], port: int, meta: dict[str, Any]) -> dict[str, Any]:
-    """Ingress to the store's pods only from pods of the same run, on the store port: the outer wall, with the
-    run's secret the inner one (``k8s.run_secret=''`` leaves this the only one)."""
+    """Ingress to a service's pods (the store's, per_step's quorum service's) only from pods of the same run, on
+    its port: the outer wall, with the run's secret the inner one (``k8s.run_secret=''`` leaves this the only one,
+    for the store)."""
     return ingress_policy(meta, store_selector, [{"from": [run_pods(cfg)], "ports": tcp_ports(port)}])
 
 

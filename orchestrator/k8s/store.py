@@ -35,20 +35,27 @@ def serve_store(port: int, say: Callable[[str], None] = print, host: str = "0.0.
     one that matters."""
     secret = os.environ.get(RUN_SECRET_ENV, "")
     store = _gated_store(host, port, secret) if secret else _PlainStore(host, port)
-    stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     gated = (f", gated: clients must prove the run's secret ({RUN_SECRET_ENV})" if secret
              else f", open to anyone who reaches this port: set {RUN_SECRET_ENV} to admit only the run")
     say(f"rendezvous store listening on {host} port {store.port}{gated}")
+    try:
+        wait_for_stop_signal()
+    finally:
+        store.close()
+    say("rendezvous store stopped")
+    return 0
+
+
+def wait_for_stop_signal() -> None:
+    """Block until SIGTERM (the kubelet stopping the pod) or SIGINT; the previous handlers are restored."""
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         while not stop.wait(1.0):
             pass
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        store.close()
-    say("rendezvous store stopped")
-    return 0
 
 
 def _gated_store(host: str, port: int, secret: str):
@@ -102,19 +109,26 @@ def store_policy(cfg: OrchConfig) -> dict[str, Any]:
 def store_objects(cfg: OrchConfig) -> list[dict[str, Any]]:
     """A Service, a one-replica Deployment running the store, and its NetworkPolicy. The Deployment is not
     owned by the job (its uid is unknown when rendering): ``kubectl delete -f`` the file to remove both."""
-    name, port = store_service(cfg), store_port(cfg)
+    return singleton_objects(cfg, store_service(cfg), COMPONENT, store_port(cfg), "c10d", store_pod_template(cfg))
+
+
+def singleton_objects(cfg: OrchConfig, name: str, component: str, port: int, port_name: str,
+                      template: dict[str, Any]) -> list[dict[str, Any]]:
+    """A service of the job that runs as one pod: the NetworkPolicy admitting only the run's pods on ``port``,
+    a Service ``name`` there, and a one-replica Deployment of ``template`` (the store, per_step's quorum service)."""
     service = {
-        "apiVersion": "v1", "kind": "Service", "metadata": metadata(cfg, name, COMPONENT),
-        "spec": {"selector": selector(cfg, COMPONENT),
-                 "ports": [{"name": "c10d", "port": port, "targetPort": port, "protocol": "TCP"}]},
+        "apiVersion": "v1", "kind": "Service", "metadata": metadata(cfg, name, component),
+        "spec": {"selector": selector(cfg, component),
+                 "ports": [{"name": port_name, "port": port, "targetPort": port, "protocol": "TCP"}]},
     }
     deployment = {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata(cfg, name, COMPONENT),
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata(cfg, name, component),
         "spec": {
             "replicas": 1,
-            "strategy": {"type": "Recreate"},  # never two stores: agents must all meet in the same one
-            "selector": {"matchLabels": selector(cfg, COMPONENT)},
-            "template": store_pod_template(cfg),
+            "strategy": {"type": "Recreate"},  # never two: every node must meet in the same one
+            "selector": {"matchLabels": selector(cfg, component)},
+            "template": template,
         },
     }
-    return [store_policy(cfg), service, deployment]
+    policy = store_network_policy(cfg, selector(cfg, component), port, metadata(cfg, name, component))
+    return [policy, service, deployment]

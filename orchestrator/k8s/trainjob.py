@@ -18,6 +18,7 @@ from orchestrator.k8s.job import COMPONENT, require_runnable, trainer_policy
 from orchestrator.k8s.jobset import NODE_JOB, jobset_spec
 from orchestrator.k8s.names import object_name
 from orchestrator.k8s.pods import metadata
+from orchestrator.k8s.quorum import per_step_objects
 from orchestrator.k8s.store import store_policy
 
 API_GROUP = "trainer.kubeflow.org"
@@ -46,4 +47,4 @@ def render_trainjob(cfg: OrchConfig, overrides: Sequence[str]) -> list[dict[str,
         "spec": {"runtimeRef": {"apiGroup": API_GROUP, "kind": RUNTIME_KIND, "name": name},
                  "trainer": {"numNodes": nodes}},
     }
-    return [store_policy(cfg), trainer_policy(cfg), runtime, trainjob]
+    return [store_policy(cfg), *per_step_objects(cfg), trainer_policy(cfg), runtime, trainjob]
