@@ -104,3 +104,15 @@ def validate_all(objects: list[dict]) -> None:
             cluster = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": "c"},
                        "spec": obj["spec"]["rayClusterSpec"]}
             assert crd_errors("RayCluster", cluster) == []
+
+
+def assert_render_refused(tmp_path: Path, capsys: Any, argv: list[str], words: list[str]) -> None:
+    """``orch k8s render ARGV -o DIR`` exits 2 with one line holding ``words`` and writes nothing."""
+    from orchestrator.cli import main as orch_main
+
+    assert orch_main(["k8s", "render", *argv, "-o", str(tmp_path / "o")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("orch: error: "), err
+    for word in words:
+        assert word in err, err
+    assert not (tmp_path / "o").exists()
