@@ -218,7 +218,8 @@ def test_the_standalone_service_drops_a_group_whose_heartbeat_connection_closed(
         with ThreadPoolExecutor(2) as pool:
             first = [pool.submit(svc.call, {**ask, "replica_id": rid, "step": 3}) for rid in ("node0-a0:u", "node1-a0:v")]
             assert {f.result(timeout=5)["replica_world_size"] for f in first} == {2}
-            survivor = pool.submit(svc.call, {**ask, "replica_id": "node0-a0:u", "step": 4})
+            survivor = pool.submit(svc.call, {**ask, "replica_id": "node0-a0:u", "step": 4,
+                                               "timeout_s": 3.0 if silence else 1.0})
             time.sleep(0.2)
             assert not survivor.done(), "the other group is healthy: the quorum waits for it"
             gone.close()  # its process died: the kernel closed its connection
