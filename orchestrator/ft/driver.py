@@ -182,7 +182,8 @@ class RemoteQuorum:
     sees it: reachable through its gate with the run's secret (waited for up to ``wait_s`` when the launch
     starts, since the pods of a job start in no particular order), and told at once of an agent of this pod
     that exited (``drop``; ``replica_dropped`` events in this pod's run dir). A pod that is killed whole tells
-    nobody: its group drops out when its heartbeats age out (``fault_tolerance.heartbeat_timeout_ms``)."""
+    nobody: the service sees its group's heartbeat connection close, or, with its node gone, its heartbeats age
+    out (``fault_tolerance.heartbeat_timeout_ms``)."""
 
     def __init__(self, endpoint: str, events: EventLog, wait_s: float):
         from orchestrator.ft.coordination import QuorumClient
@@ -202,14 +203,14 @@ class RemoteQuorum:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                self.client.call("ping")
+                self.client.call("ping", timeout_s=10.0)
                 return
-            except HandshakeError as exc:  # it answered, but not as a holder of this secret: a retry cannot help
-                raise ConfigError("fault_tolerance.quorum_endpoint", self.endpoint, "give the quorum service and "
-                                  "every node the same run's secret (one Secret: k8s.run_secret)",
-                                  f"did not admit this launch ({exc})") from None
             except OSError as exc:
-                if time.monotonic() >= deadline:
+                if isinstance(exc, HandshakeError) and _refused_for_good(exc):  # a retry cannot help
+                    raise ConfigError("fault_tolerance.quorum_endpoint", self.endpoint, "give the quorum service "
+                                      "and every node the same run's secret (one Secret: k8s.run_secret)",
+                                      f"did not admit this launch ({exc})") from None
+                if time.monotonic() >= deadline:  # not up yet, or cut off mid-handshake (a full gate)
                     raise RunFailed(f"the quorum service at {self.endpoint} did not answer within {wait_s:.0f} s "
                                     f"(rendezvous.join_timeout_s): {exc}") from None
                 time.sleep(0.5)
@@ -231,6 +232,12 @@ class RemoteQuorum:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _refused_for_good(exc: Exception) -> bool:
+    """A handshake that failed because the other side is not orch's gate or holds another secret (a retry cannot
+    help), not because the connection was cut (see orchestrator/trust/handshake.py's messages)."""
+    return "could not prove" in str(exc) or "not an orch gate" in str(exc)
 
 
 MODES = {RestartMode.name: RestartMode, PerStepMode.name: PerStepMode}
