@@ -569,12 +569,13 @@ class K8sConfig:
     """Environment variables from Secret references, ``{NAME: SECRET}`` (key NAME) or ``{NAME: SECRET/KEY}``; the
     value never appears in the manifest. ``orch k8s render`` refuses ``k8s.env`` values that look like credentials."""
     run_secret: Optional[str] = None
-    """The Secret holding the run's secret, ``NAME`` (key ``secret``) or ``NAME/KEY``: the store pod and every
-    node pod get it as ``ORCH_RUN_SECRET`` (a reference, never the value), so the store admits only clients that
-    prove it, as under ``orch launch``. ``null`` (the default): ``<job name>-run-secret``, key ``secret``, which
-    you create before applying (the manifest's header says how). ``''``: ungated, only the NetworkPolicy guards
-    the store (said as a warning on every render). Formats whose pods dial ``orch rendezvous-store`` only: rayjob
-    refuses a name (the Ray launcher gates its own store per launch)."""
+    """The Secret holding the run's secret, ``NAME`` (key ``secret``) or ``NAME/KEY``: the store pod, per_step's
+    quorum service pod and every node pod get it as ``ORCH_RUN_SECRET`` (a reference, never the value), so the
+    store admits only clients that prove it, as under ``orch launch``. ``null`` (the default):
+    ``<job name>-run-secret``, key ``secret``, which you create before applying (the manifest's header says how).
+    ``''``: ungated, only the NetworkPolicy guards the store (said as a warning on every render; refused under
+    per_step). Formats whose pods dial ``orch rendezvous-store`` only: rayjob refuses a name (the Ray launcher
+    gates its own store per launch)."""
     quorum_port: int = 29401
     """``fault_tolerance.mode=per_step``: the port of the quorum service (``orch quorum-service``, torchft's
     Lighthouse rules behind the run's gate), its Service's and its container's."""
