@@ -20,9 +20,10 @@ import argparse
 
 import torch
 from torch.utils.data import Dataset
-from transformers import BertConfig, BertForMaskedLM, Trainer
+from transformers import BertConfig, BertForMaskedLM
 
-from orchestrator.integrations.hf import OrchCallback, averages_its_own_loss, latest_checkpoint, orch_training_args
+from orchestrator.integrations.hf import (OrchCallback, OrchTrainer, averages_its_own_loss, latest_checkpoint,
+                                          orch_training_args)
 
 VOCAB, SEQ = 128, 16
 
@@ -54,8 +55,9 @@ def main() -> None:
     config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64, max_position_embeddings=SEQ)
     model = averages_its_own_loss(BertForMaskedLM(config))  # its loss is a mean: no world x accumulation scaling
-    trainer = Trainer(model=model, args=args, train_dataset=SyntheticTokens(),
-                      callbacks=[OrchCallback()])
+    # OrchTrainer is transformers.Trainer under fault_tolerance.mode=restart (and outside orch), and steps through
+    # the quorum under per_step; with a plain Trainer the script runs in restart mode only.
+    trainer = OrchTrainer(model=model, args=args, train_dataset=SyntheticTokens(), callbacks=[OrchCallback()])
     resume = latest_checkpoint(args.output_dir)  # the newest complete checkpoint; None: a fresh start
     if args.process_index == 0:
         print(f"world size {args.world_size}, resuming from {resume or 'nothing'}", flush=True)

@@ -1,4 +1,5 @@
-"""orch for Hugging Face ``transformers.Trainer`` scripts: :class:`OrchCallback` and :func:`orch_training_args`.
+"""orch for Hugging Face ``transformers.Trainer`` scripts: :class:`OrchCallback`, :func:`orch_training_args` and
+:class:`OrchTrainer`.
 
     from orchestrator.integrations.hf import OrchCallback, latest_checkpoint, orch_training_args
 
@@ -6,14 +7,18 @@
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[OrchCallback()])
     trainer.train(resume_from_checkpoint=latest_checkpoint(args.output_dir))
 
+That is ``fault_tolerance.mode=restart``. Building :class:`OrchTrainer` instead of ``Trainer`` (same arguments) runs
+either mode: the Trainer itself in restart mode, and under ``per_step`` a loop of orchestrator.elastic's that steps
+the Trainer's optimizer through the quorum (:mod:`orchestrator.integrations.hf_per_step`).
+
 A model whose loss is already a mean (``BertForMaskedLM``) goes through :func:`averages_its_own_loss` first:
 transformers would scale its loss and gradients by world size x accumulation otherwise.
 
-Checkpoints are HF's own (``checkpoint-<step>/`` under ``<checkpoint.url or run dir/checkpoints>/hf``), so HF's
-resume (optimizer, scheduler, RNG, data position) is used unchanged. HF writes a checkpoint file by file and
-nothing says when it is done, so the callback marks one complete (``orch_complete.json``, written by rank 0
-after every rank's part is written) and :func:`latest_checkpoint` only returns marked ones: a save cut short is
-never resumed from.
+In restart mode checkpoints are HF's own (``checkpoint-<step>/`` under ``<checkpoint.url or run
+dir/checkpoints>/hf``), so HF's resume (optimizer, scheduler, RNG, data position) is used unchanged. HF writes a
+checkpoint file by file and nothing says when it is done, so the callback marks one complete
+(``orch_complete.json``, written by rank 0 after every rank's part is written) and :func:`latest_checkpoint` only
+returns marked ones: a save cut short is never resumed from.
 
 Preemption is orchestrator.elastic's (orchestrator/elastic/preemption.py): the same notice sources, the same
 all-reduce at every step boundary (``on_step_end``). On a notice every rank saves (HF's save of that step),
@@ -41,7 +46,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from transformers import TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from orchestrator.checkpoint.hf_dirs import COMPLETE_MARKER, HF_SUBDIR, hf_checkpoints
 from orchestrator.config.compose import load_run_config
@@ -56,6 +61,7 @@ from orchestrator.errors import ConfigError
 from orchestrator.events import CheckpointLoaded, CheckpointSaved
 from orchestrator.ft.steps import StepProtocol
 from orchestrator.ft.worker import step_protocol
+from orchestrator.integrations.hf_loss import _loss_scaled_by_trainer, warn_if_loss_scaled  # noqa: F401
 from orchestrator.preemption.notices import SIGTERM_SOURCE
 from orchestrator.rundir import CONFIG_FILE, METRICS_FILE, append_jsonl
 from orchestrator.runtime.distributed import DistContext
@@ -118,9 +124,6 @@ def orch_training_args(cfg: Optional[OrchConfig] = None, **kwargs: Any) -> Train
         if ckpt.every_n_steps == "auto":  # the Trainer's save_steps is fixed when it is built
             raise ConfigError("checkpoint.every_n_steps", "auto", "set a number of steps for transformers.Trainer",
                               "is not supported by the transformers.Trainer integration")
-        if cfg.fault_tolerance.mode == "per_step":  # the Trainer's own loop steps the optimizer, not the quorum
-            raise ConfigError("fault_tolerance.mode", "per_step", "use fault_tolerance.mode=restart with "
-                              "transformers.Trainer", "is not supported by the transformers.Trainer integration")
         refuse_sharded(cfg)
         every = ckpt.every_n_steps if ckpt.every_n_steps > 0 else t.max_steps
         filled.update(output_dir=checkpoint_dir(cfg), max_steps=t.max_steps, save_strategy="steps", save_steps=every,
@@ -158,23 +161,6 @@ def averages_its_own_loss(model: torch.nn.Module) -> torch.nn.Module:
     keep ``trainer.global_batch_size``). Call it before building the Trainer."""
     model.accepts_loss_kwargs = False
     return model
-
-
-def _loss_scaled_by_trainer(model: torch.nn.Module) -> bool:
-    """Whether the Trainer will take ``model``'s loss for a token sum it is not (see :func:`averages_its_own_loss`):
-    a ``forward(**kwargs)``, no ``accepts_loss_kwargs`` and no use of ``num_items_in_batch`` in its source."""
-    import inspect
-
-    model = getattr(model, "module", model)  # DDP's wrapper
-    if getattr(model, "accepts_loss_kwargs", None) is not None:
-        return False
-    try:
-        forward = inspect.unwrap(type(model).forward)
-        takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in inspect.signature(forward).parameters.values())
-        source = inspect.getsource(forward)
-    except (TypeError, OSError, ValueError):
-        return False
-    return takes_kwargs and "num_items_in_batch" not in source and "loss_function" not in source
 
 
 def accumulation_steps(cfg: OrchConfig, world_size: int) -> Optional[int]:
@@ -239,8 +225,9 @@ class OrchCallback(TrainerCallback):
         self.progress = Progress()
         self.ft: StepProtocol = step_protocol(self.cfg, self.ctx, torch.device("cpu"))
         """The fault-tolerance mode's step protocol: the round's record and, on a notice, whether peers hold the
-        state. The Trainer's own loop steps the optimizer, so only modes without step hooks are supported
-        (:func:`orch_training_args` refuses the others)."""
+        state. The Trainer's own loop steps the optimizer, so only modes without step hooks are followed here
+        (under per_step :class:`OrchTrainer` runs a loop of its own without this callback; in a plain Trainer
+        :meth:`on_train_begin` refuses per_step)."""
         self.preemption: Optional[PreemptionResponse] = None
         self.trackers = None
         self.leaving: Optional[float] = None
@@ -259,13 +246,14 @@ class OrchCallback(TrainerCallback):
         resumed checkpoint and ``worker_started`` (start-up milestones, latest over ranks)."""
         self.ctx = self.events.ctx = DistContext.from_env()
         self.progress.step = state.global_step
-        model = kwargs.get("model")
-        scale = args.gradient_accumulation_steps * self.ctx.world_size
-        if self.ctx.is_main and scale > 1 and isinstance(model, torch.nn.Module) and _loss_scaled_by_trainer(model):
-            print(f"[orch] warning: {type(getattr(model, 'module', model)).__name__} averages its own loss, so "
-                  f"transformers.Trainer scales its loss and gradients by {scale} (world size x accumulation). Fix: "
-                  "build the Trainer with orchestrator.integrations.hf.averages_its_own_loss(model)",
-                  file=sys.stderr, flush=True)
+        if self.cfg is not None and self.cfg.fault_tolerance.mode == "per_step" and self.run_dir is not None:
+            # The Trainer's own loop steps the optimizer and counts every step whatever the quorum says.
+            raise ConfigError("fault_tolerance.mode", "per_step", "build it as orchestrator.integrations.hf."
+                              "OrchTrainer(...) instead of transformers.Trainer(...) (same arguments), or use "
+                              "fault_tolerance.mode=restart", "needs OrchTrainer's per_step loop: the "
+                              "transformers.Trainer loop cannot train a step through the quorum")
+        warn_if_loss_scaled(kwargs.get("model"), args.gradient_accumulation_steps * self.ctx.world_size,
+                            self.ctx.is_main)
         preemption_cfg = self.cfg.preemption if self.cfg is not None else PreemptionConfig()
         if self.preemption is None:
             self.preemption = _HFPreemption(preemption_cfg, self.ctx, self.run_dir, args.device, self.progress,
@@ -409,3 +397,67 @@ class OrchCallback(TrainerCallback):
             os.remove(os.path.join(folder, COMPLETE_MARKER))
         except FileNotFoundError:
             pass
+
+
+# -- the Trainer ---------------------------------------------------------------------------------------------------
+class OrchTrainer(Trainer):
+    """``transformers.Trainer`` that trains under either fault-tolerance mode of an orch run: build it instead of
+    ``Trainer`` (same arguments; nothing else changes).
+
+    - ``fault_tolerance.mode=restart`` (and outside orch): it *is* the Trainer, with an :class:`OrchCallback`
+      added under orch when ``callbacks`` has none: HF's loop, HF's checkpoints, resume from the newest complete
+      one.
+    - ``fault_tolerance.mode=per_step``: ``train()`` runs :mod:`orchestrator.integrations.hf_per_step`'s loop (the
+      Trainer's optimizer, scheduler, ``training_step`` and callbacks, stepped through the quorum: survivors of a
+      lost node go on, a returning node heals from a live peer, the global batch stays ``trainer.global_batch_size``)
+      and the session does what :class:`OrchCallback` does in restart mode (the callback is dropped).
+      ``resume_from_checkpoint`` is not used there: the state comes from a live peer, else orch's checkpoints.
+
+    ``cfg``/``run_dir``: the run's config and run dir (default: ``$ORCH_RUN_DIR`` and its ``config.yaml``)."""
+
+    def __init__(self, *args: Any, cfg: Optional[OrchConfig] = None, run_dir: Optional[str] = None, **kwargs: Any):
+        self.orch_run_dir = run_dir if run_dir is not None else orch_run_dir()
+        self.orch_cfg = cfg if cfg is not None else run_config(self.orch_run_dir)
+        self.orch_per_step = (self.orch_run_dir is not None and self.orch_cfg is not None
+                              and self.orch_cfg.fault_tolerance.mode == "per_step")
+        callbacks = list(kwargs.pop("callbacks", None) or [])
+        if self.orch_per_step:  # the session does the callback's work; its on_train_begin would refuse per_step
+            refuse_sharded(self.orch_cfg)
+            callbacks = [c for c in callbacks if not (c is OrchCallback or isinstance(c, OrchCallback))]
+            if PROGRESS_BARS_ENV not in os.environ:
+                quiet_progress_bars()
+        elif self.orch_run_dir is not None and not any(c is OrchCallback or isinstance(c, OrchCallback)
+                                                       for c in callbacks):
+            callbacks.append(OrchCallback(self.orch_run_dir, self.orch_cfg))
+        self.orch_leading_group = True
+        """per_step: whether this node's group led the last quorum (set by the loop); only it saves the model."""
+        super().__init__(*args, callbacks=callbacks, **kwargs)
+
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """HF's ``train()``; under per_step a ``resume_from_checkpoint`` is set aside with a note (the state comes
+        from a live peer, else orch's newest checkpoint, when the loop restores)."""
+        if self.orch_per_step and resume_from_checkpoint:
+            if self.args.process_index == 0:
+                print(f"[orch] per_step: not resuming from {resume_from_checkpoint} (HF checkpoint); the state "
+                      "comes from a live peer, else orch's newest checkpoint", flush=True)
+            resume_from_checkpoint = None
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _inner_training_loop(self, batch_size: Any = None, args: Any = None, resume_from_checkpoint: Any = None,
+                             trial: Any = None, ignore_keys_for_eval: Any = None) -> Any:
+        """The Trainer's loop in restart mode; under per_step :func:`~orchestrator.integrations.hf_per_step.
+        train_per_step` (what ``train()`` calls once the model is set up)."""
+        if not self.orch_per_step:
+            return super()._inner_training_loop(batch_size=batch_size, args=args,
+                                                resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                                                ignore_keys_for_eval=ignore_keys_for_eval)
+        from orchestrator.integrations.hf_per_step import train_per_step
+
+        return train_per_step(self, self.orch_cfg, self.orch_run_dir)
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """HF's ``save_model``; under per_step only the group that led the last quorum writes (every group holds
+        the same model, and they would all write the same files at once)."""
+        if self.orch_per_step and not self.orch_leading_group:
+            return
+        super().save_model(output_dir, _internal_call)
