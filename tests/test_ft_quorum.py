@@ -249,3 +249,11 @@ def test_torchfts_manager_still_makes_its_server_and_clients_by_the_names_orch_r
     for method in ("_quorum(", "._checkpoint_metadata(", ".should_commit("):
         assert method in source, f"torchft's Manager no longer calls {method}"
         assert hasattr(ManagerClient, method.strip(".("))
+    # The async quorum (orchestrator/ft/replica.py): orch heals before the forward pass as torchft's synchronous
+    # start_quorum does, and the participants come from what orch's client reports as max rank and size.
+    start = inspect.getsource(torchft_manager.Manager.start_quorum)
+    assert "self._apply_pending_state_dict()" in start and "self._healing = False" in start
+    quorum = inspect.getsource(torchft_manager.Manager._async_quorum)
+    assert "(max_replica_rank, max_replica_world_size)" in quorum and "self._use_async_quorum" in quorum
+    for name in ("disallow_state_dict_read", "allow_state_dict_read", "wait_quorum", "report_error"):
+        assert callable(getattr(torchft_manager.Manager, name, None)), name

@@ -109,7 +109,7 @@ def test_the_session_calls_the_protocol_at_fixed_points_and_redoes_a_discarded_s
     assert session.step == 3 and session.samples_consumed == 24, "a discarded step counts for nothing"
     attempt = ["begin_step", "sync_gradients", "end_step"]
     record = ["window_rolled", "mean_across_groups"]  # a metrics record closes a window; its means are the job's
-    assert scripted.calls == ["attach", "heal", "restored", "membership",
+    assert scripted.calls == ["attach", "notices", "heal", "restored", "membership",
                               *attempt, *record,  # step 1 (log_every=1)
                               *attempt,  # step 2, discarded: no record
                               *attempt, *record, *attempt, *record, "shutdown"]

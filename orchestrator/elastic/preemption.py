@@ -71,6 +71,8 @@ class PreemptionResponse:
         notices = AgentNotices.of_parent(run_dir, ctx.node, set(sources)) if run_dir is not None else None
         self.watcher = PreemptionWatcher(pollers, mode, cfg.poll_interval_s, notices, defer_restart=True).start()
         self._reported = False
+        # A mode that works ahead of the step boundary holds back while the boundary will act on one of these.
+        self.ft.notices(lambda: self.watcher.notice is not None or self.watcher.restart_requested)
 
     def stop(self) -> None:
         self.watcher.stop()

@@ -26,6 +26,7 @@ from orchestrator.elastic.worker_events import (WorkerEvents, first_step, traini
 from orchestrator.ft.steps import StepProtocol
 from orchestrator.ft.worker import step_protocol
 from orchestrator.parallel import Strategy, strategy_for
+from orchestrator.parallel.base import handoff_kwargs
 from orchestrator.runtime.distributed import DistContext, select_device
 from orchestrator.runtime.sampler import GlobalBatchSampler
 from orchestrator.runtime.state import Progress, Record, TrainingState
@@ -102,7 +103,7 @@ class Session:
         self._result: Optional[dict[str, Any]] = None
         self.owns_process_group = False  # set by init(): the session then destroys it on exit
         self._strategy: Optional[Strategy] = None
-        self.ft: StepProtocol = step_protocol(cfg, self.ctx, self.device)
+        self.ft: StepProtocol = step_protocol(cfg, self.ctx, self.device, self.max_steps)
         """The fault-tolerance mode's step protocol; attached to the state at register()."""
 
     # -- who and where ----------------------------------------------------------------------------------------
@@ -163,7 +164,8 @@ class Session:
         model = model.to(self.device)
         if not self.distributed:
             return model
-        return self.strategy.wrap(model, self.ctx, self.device, timer=self.timer)
+        return self.strategy.wrap(model, self.ctx, self.device, timer=self.timer,
+                                  **handoff_kwargs(self.ft.gradient_handoff()))
 
     def register(self, states: Optional[Mapping[str, Any]] = None, **named: Any) -> None:
         """Checkpoint these ``Stateful`` objects (``state_dict``/``load_state_dict``) under their names:

@@ -153,6 +153,11 @@ class ManagerClient:
                                    group_rank=group_rank, step=step, checkpoint_metadata=checkpoint_metadata,
                                    shrink_only=shrink_only, commit_failures=commit_failures,
                                    reconfigure_handle=reconfigure_handle, init_sync=init_sync)
+        # With torchft's asynchronous quorum a healing group sits its first step out (it loads the state at
+        # should_commit), so torchft's Manager counts only the groups already at the newest step. orch's step
+        # protocol applies the fetched state before the forward pass instead, so every member of the quorum
+        # trains the step: the participating rank and size are the quorum's own, as without the async quorum.
+        answer["max_replica_rank"], answer["max_world_size"] = answer["replica_rank"], answer["replica_world_size"]
         return QuorumResult(**answer)
 
     def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
@@ -172,9 +177,11 @@ def install() -> None:
     manager.ManagerClient = ManagerClient
 
 
-def process_group(backend: str, timeout: timedelta):
+def process_group(backend: str, timeout: timedelta, hold_s: float = 60.0):
     """torchft's reconfigurable process group for the cross-replica all-reduce, with its handles exchanged
-    through the run's store (gloo; NCCL the same way)."""
+    through the run's store (gloo; NCCL the same way). While its ``free`` event is clear, a reconfiguration waits
+    (at most ``hold_s``): the step protocol clears it from a step's commit to the next step, while the group may
+    still use the committed step's process group (a record's means) and the next step's quorum is being formed."""
     from torchft import ProcessGroupGloo, ProcessGroupNCCL
 
     base = ProcessGroupNCCL if backend == "nccl" else ProcessGroupGloo
@@ -183,10 +190,16 @@ def process_group(backend: str, timeout: timedelta):
         """The handle names the run's store instead of a TCPStore this process would host on every interface;
         ``reconfigure`` reaches it through this node's relay."""
 
+        def __init__(self, **kwargs: Any):
+            super().__init__(**kwargs)
+            self.free = threading.Event()
+            self.free.set()
+
         def get_reconfigure_handle(self) -> str:
             return json.dumps({"id": self._handle_id(), "store": ORCH_STORE, "global_rank": self._global_rank})
 
         def reconfigure(self, opts: Any) -> Any:
+            self.free.wait(hold_s)  # the committed step's last collectives first (then go on regardless)
             return super().reconfigure(_through_relay(opts))
 
     return OrchProcessGroup(timeout=timeout)

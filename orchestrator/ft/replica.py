@@ -1,15 +1,20 @@
 """A worker's replica group under ``fault_tolerance.mode=per_step``: its torchft Manager, and the step protocol
 (:class:`~orchestrator.ft.steps.StepProtocol`) that the session runs with it.
 
-At the top of every step the group joins the quorum (orch's quorum service in the driver, through the run's
-gate: :mod:`~orchestrator.ft.coordination`) (synchronously: a group that must heal loads
-a live peer's state before its forward pass, so its first committed step starts from the survivors' weights).
-After the backward pass the gradients are averaged across the quorum's groups (one flat all-reduce: the DDP
-of the user's code, if any, already averaged them inside the group), before any grad-scaler unscale or
-clipping, as DDP would have. The optimizer steps only if every participant finished the step
-(``should_commit``); otherwise the step is discarded: the registered schedulers, grad scalers, module buffers
-and RNG states go back to where the step began, and the session redoes the step, with the same samples, in
-the next quorum.
+Every step trains in a quorum of replica groups (orch's quorum service in the driver, through the run's gate:
+:mod:`~orchestrator.ft.coordination`). The quorum of the next step is asked for as soon as this step committed
+(torchft's asynchronous quorum), so it forms while the optimizer steps and the step boundary runs; the group
+waits for it at the top of the next step, where a group that must heal loads a live peer's state before its
+forward pass, so its first committed step starts from the survivors' weights, and where the step's data
+(the sampler's world, rank and position) is drawn from it. Until then the state a peer would copy and the
+process group the committed step used are held as they are (see :meth:`ReplicaGroup.commit`).
+
+The gradients are averaged across the quorum's groups in buckets while the backward pass runs
+(:mod:`~orchestrator.ft.buckets`: the parallelism strategy hands each gradient over once the group's own DDP
+or FSDP2 reduction made it final), and waited for before any grad-scaler unscale or clipping, as DDP would
+have. The optimizer steps only if every participant finished the step (``should_commit``); otherwise the
+step is discarded: the registered schedulers, grad scalers, module buffers and RNG states go back to where the
+step began, and the session redoes the step, with the same samples, in the next quorum.
 
 The state a peer sends is the training state's one serializer (:meth:`TrainingState.state_dict
 <orchestrator.runtime.state.TrainingState.state_dict>`, as in a checkpoint) with this group's records beside
@@ -19,6 +24,7 @@ it: the sender's RNG state, its metrics window, its quorum seconds so far and wh
 from __future__ import annotations
 
 import os
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Callable, Optional
@@ -27,8 +33,9 @@ import torch
 
 from orchestrator.config.schema import OrchConfig
 from orchestrator.ft import REPLICA_ENV
+from orchestrator.ft.buckets import GradientBuckets
 from orchestrator.ft.coordination import install, process_group
-from orchestrator.ft.shards import LAYOUT_KEY, from_local, local, local_sha256, mesh_of, to_local
+from orchestrator.ft.shards import LAYOUT_KEY, from_local, local_sha256, mesh_of, to_local
 from orchestrator.events import (Event, QuorumChanged, ReplicaHealed, ReplicaLeft, ReplicaStarted, StepDiscarded,
                                  StoreClientRefused)
 from orchestrator.ft.steps import Emit, Membership, RestartSteps, StepProtocol, send
@@ -60,28 +67,47 @@ class _ReplicaRecords:
 
 class PerStepSteps(_ReplicaRecords, RestartSteps):
     """per_step before the training state is registered: nothing to coordinate yet (as in restart mode);
-    :meth:`attach` makes the :class:`ReplicaGroup` once the process group exists."""
+    :meth:`attach` makes the :class:`ReplicaGroup` once the process group exists. The gradient buckets exist
+    from the start: the model is spread over the ranks (and hands its gradients to them) before it is
+    registered. ``max_steps``: the loop's last step."""
 
-    def __init__(self, cfg: OrchConfig, ctx: DistContext, device: torch.device):
+    def __init__(self, cfg: OrchConfig, ctx: DistContext, device: torch.device, max_steps: Optional[int] = None):
         self.cfg, self.ctx, self.device = cfg, ctx, device
+        self.max_steps = cfg.trainer.max_steps if max_steps is None else max_steps
+        self.buckets = GradientBuckets(cfg.ddp.bucket_cap_mb)
+        self._pending: Callable[[], bool] = lambda: False
 
     def attach(self, state: TrainingState, emit: Emit, window: Stateful) -> StepProtocol:
-        group = ReplicaGroup(self.cfg, self.ctx, self.device, state, emit, window)
+        group = ReplicaGroup(self.cfg, self.ctx, self.device, state, emit, window, buckets=self.buckets,
+                             max_steps=self.max_steps)
+        group.notices(self._pending)
         wrap_for_commit(state, group)
         return group
+
+    def gradient_handoff(self) -> GradientBuckets:
+        return self.buckets
+
+    def notices(self, pending: Callable[[], bool]) -> None:
+        self._pending = pending
 
 
 class ReplicaGroup(_ReplicaRecords):
     """This worker's membership in the job's quorum (one per worker; every rank of a group has one): the
     per_step :class:`~orchestrator.ft.steps.StepProtocol`. ``emit`` writes this worker's events: the group's
     own (healed, discarded, left) from its rank 0, the run's (``quorum_changed``) from the leader's.
-    ``window``: the open metrics window, handed to a healing group with the state."""
+    ``window``: the open metrics window, handed to a healing group with the state. ``buckets``: where the
+    strategy hands the gradients (:meth:`gradient_handoff`). ``max_steps``: the loop's last step (no quorum is
+    formed ahead of a step that will not come)."""
 
     def __init__(self, cfg: OrchConfig, ctx: DistContext, device: torch.device, state: TrainingState,
-                 emit: Emit, window: Optional[Stateful] = None):
+                 emit: Emit, window: Optional[Stateful] = None, buckets: Optional[GradientBuckets] = None,
+                 max_steps: Optional[int] = None):
         from torchft import Manager
 
         ft = cfg.fault_tolerance
+        self.buckets = buckets if buckets is not None else GradientBuckets(cfg.ddp.bucket_cap_mb)
+        self.max_steps = cfg.trainer.max_steps if max_steps is None else max_steps
+        self._notice_pending: Callable[[], bool] = lambda: False
         self.ctx, self.device, self.state = ctx, device, state
         self.emit = emit
         self.metrics_window = window
@@ -93,10 +119,11 @@ class ReplicaGroup(_ReplicaRecords):
         self._last_refusal = -1e9
         install()  # torchft's Manager on orch's quorum service, not on torchft's Rust servers
         self._pg: Any = None  # the cross-group process group, made with the Manager
+        self._hold_s = max(30.0, ft.quorum_timeout_s)
         self._make_manager = lambda: Manager(
             pg=self._new_process_group(cfg.backend.name, timedelta(seconds=ft.collective_timeout_s)),
             load_state_dict=self._load, state_dict=self._state_dict,
-            min_replica_size=cfg.cluster.min_nodes, use_async_quorum=False,
+            min_replica_size=cfg.cluster.min_nodes, use_async_quorum=True,
             timeout=timedelta(seconds=max(30.0, ft.collective_timeout_s)),
             quorum_timeout=timedelta(seconds=ft.quorum_timeout_s), connect_timeout=timedelta(seconds=30),
             replica_id=self.replica_id, lighthouse_addr="orch", checkpoint_transport=self.transport, init_sync=True)
@@ -106,8 +133,13 @@ class ReplicaGroup(_ReplicaRecords):
         self.last_committed_participants: Optional[int] = None
         self.committed: Optional[bool] = None
         self._began = self._synced = False
+        self._ahead = False  # the next step's quorum is being formed (asked for at this step's commit)
+        self._held = False  # since then: the state a peer copies and the committed step's process group held
+        self._staged = 0  # states staged for a peer when the quorum being waited for was asked for
+        self._error = ""  # the committed (or discarded) step's collective error, if any
+        self._abort_lock = threading.Lock()
+        self._aborting: list[threading.Thread] = []  # aborts started by failed buckets, joined at the sync
         self._snapshot: dict[str, Any] = {}
-        self._params: Optional[list[torch.nn.Parameter]] = None  # the registered modules' trainable ones
         self._quorum_s = self._step_t0 = 0.0
         self._quorum_started: Optional[float] = None  # while this group is in a quorum
         self._loaded_at: Optional[float] = None  # when this group took over a peer's state in this quorum
@@ -115,16 +147,39 @@ class ReplicaGroup(_ReplicaRecords):
         self._healed_source: dict[str, Any] = {}
 
     def _new_process_group(self, backend: str, timeout: timedelta) -> Any:
-        self._pg = process_group(backend, timeout)
+        self._pg = process_group(backend, timeout, hold_s=self._hold_s)
         return self._pg
 
     def _abort_failed_collective(self) -> None:
         """This group's cross-group collective failed (a peer died): abort the process group now. Releasing it
         closes its connections, so a peer still blocked on this group in the same collective (gloo: a receive
         from this rank, in a ring whose dead member this rank saw first) fails at once too, instead of after
-        ``collective_timeout_s`` while the quorum waits for it. The next quorum reconfigures it anyway."""
+        ``collective_timeout_s`` while the quorum waits for it. The next quorum reconfigures it anyway. Once
+        per process group (a bucket's failure may have aborted it already)."""
         if self._pg is not None and self.manager.errored() is not None:
+            self._abort_once()
+
+    def _abort_once(self, inner: Any = None) -> None:
+        """Abort the process group the reconfigurable one runs on (``inner``: that one only, if it still is):
+        torchft lets it go when aborting it, so a second call finds none."""
+        with self._abort_lock:
+            current = self._pg_inner()
+            if current is None or (inner is not None and current is not inner):
+                return
             self._pg.abort()
+
+    def _pg_inner(self) -> Any:
+        """The process group the reconfigurable one runs on now (a new one after every reconfiguration)."""
+        return getattr(self._pg, "_pg", None)
+
+    def _failed(self, error: Exception) -> None:
+        """A bucket's all-reduce failed (told from the thread that finished it): the step is discarded, and the
+        process group is aborted now, from a thread of its own (never from the collective's own thread)."""
+        self.manager.report_error(error)
+        aborting = threading.Thread(target=self._abort_once, args=(self._pg_inner(),), daemon=True,
+                                    name="orch-ft-abort")
+        aborting.start()
+        self._aborting.append(aborting)
 
     def _refused(self, peer: str, reason: str) -> None:
         """A caller of this worker's state server without the run's secret: one event a second at most."""
@@ -195,20 +250,30 @@ class ReplicaGroup(_ReplicaRecords):
 
     # -- the step protocol ----------------------------------------------------------------------------------
     def begin_step(self) -> None:
-        """Join this step's quorum (healing first if this group is behind); idempotent until the step ends."""
+        """Join this step's quorum (healing first if this group is behind); idempotent until the step ends. The
+        quorum was asked for at the last commit (then this waits for what is left of it), else it is now."""
         if self._began:
             return
-        started, staged = time.perf_counter(), self.transport.staged
+        started = time.perf_counter()
         self.healed_from, self._quorum_started, self._loaded_at = None, started, None
+        if not self._ahead:
+            self._staged = self.transport.staged
+            self.manager.start_quorum()  # asynchronous: waited for just below
+        self._ahead = False
+        self._release()  # a healing peer copies this state now; the process group may be reconfigured
         try:
-            self.manager.start_quorum()  # synchronous (use_async_quorum=False): heals before returning
+            self.manager.wait_quorum()
+            self._apply_heal()
+            # A source of a healing group starts its step once the peer has the state (the peer's step waits
+            # for that anyway), so that its first all-reduce does not time out while the state is still sent.
+            self.transport.wait_served(self.transport.timeout.total_seconds())
         finally:
             self._quorum_started = None
         ended = time.perf_counter()
         self._quorum_s = ended - started
         # A quorum in which a group healed (this one, or one this one served) is healing time; else waiting.
         # A group that took over its peer's window counts only the time since (the peer's window had the rest).
-        healing = self.healed_from is not None or self.transport.staged != staged
+        healing = self.healed_from is not None or self.transport.staged != self._staged
         counted = ended - (self._loaded_at if self._loaded_at is not None else started)
         self.window["healing_s" if healing else "quorum_wait_s"] += counted
         self._step_t0 = time.perf_counter()
@@ -217,7 +282,10 @@ class ReplicaGroup(_ReplicaRecords):
         self.participating_rank = self.manager.participating_rank()
         self.ctx.leader = self.participating_rank == 0
         self.ctx.replicas = max(1, self.participants)
-        self._began, self._synced, self.committed = True, False, None
+        self._began, self._synced, self.committed, self._error = True, False, None, ""
+        if not self.buckets.bound:
+            self.buckets.bind(self._trainable(), self._issue)
+        self.buckets.start_step()
         if self.healed_from is not None and self.healed_from["step"] > 0:  # step 0: torchft's initial weight sync
             self._send_group(ReplicaHealed(node=self.ctx.node, replica_id=self.replica_id,
                                            source_replica=self.healed_from["replica_id"],
@@ -225,6 +293,40 @@ class ReplicaGroup(_ReplicaRecords):
                                            heal_s=round(self._quorum_s, 4), checkpoint_read=False,
                                            params_sha256=self.healed_from["loaded_sha256"],
                                            source_params_sha256=self.healed_from["params_sha256"]))
+
+    def _apply_heal(self) -> None:
+        """A group that must heal loads the state its quorum fetched now, before its forward pass: torchft's
+        Manager does this in ``start_quorum`` when the quorum is synchronous, and at ``should_commit`` when it is
+        asynchronous (the group then sits the step out); orch forms the quorum asynchronously but heals here,
+        so the group trains the step (tests/test_ft_quorum.py checks these names against the installed
+        torchft)."""
+        manager = self.manager
+        if manager._healing:
+            manager._apply_pending_state_dict()
+            manager._healing = False
+
+    def _start_ahead(self) -> None:
+        """Ask for the next step's quorum now, right after this step's commit, so it forms while the optimizer
+        steps and the step boundary runs, unless no next step comes or this worker holds a preemption notice
+        (a group about to leave must not join the survivors' next quorum). Until the next step begins, the
+        state a healing peer would copy is held (torchft's state-dict lock: the peer gets the state as it is at
+        the top of the next step, as without the async quorum) and so is the process group (a record's means of
+        this step still use it)."""
+        step = self.state.progress.step + (1 if self.committed else 0)
+        if step >= self.max_steps or self._notice_pending():
+            return
+        self.manager.disallow_state_dict_read()
+        self._pg.free.clear()
+        self._held = True
+        self._staged = self.transport.staged
+        self.manager.start_quorum()
+        self._ahead = True
+
+    def _release(self) -> None:
+        if self._held:
+            self._held = False
+            self._pg.free.set()
+            self.manager.allow_state_dict_read()
 
     def attach(self, state: TrainingState, emit: Emit, window: Stateful) -> StepProtocol:
         return self  # attached when made: a later register() adds to the same state
@@ -254,49 +356,85 @@ class ReplicaGroup(_ReplicaRecords):
                 self.state.progress.samples_consumed)
 
     def sync_gradients(self) -> None:
-        """Average the gradients across the quorum's groups, once per step (a no-op after the first call).
+        """Average the gradients across the quorum's groups, once per step (a no-op after the first call): wait
+        for the buckets the backward pass started and all-reduce what is left (:mod:`~orchestrator.ft.buckets`).
         Each rank all-reduces its own part with the same rank of every other group: the whole gradient under
         DDP, its gradient shards under FSDP2 (every group shards alike, so shard i meets shard i)."""
         if self._synced:
             return
         self._synced = True
         self.begin_step()
-        if self._params is None:
-            self._params = [p for m in self._modules() for p in m.parameters() if p.requires_grad]
-        params = self._params
-        if not params:
-            return
-        with torch.no_grad():
-            for p in params:
-                if p.grad is None:  # unused this step: it still takes the others' average
-                    p.grad = torch.zeros_like(p)
-            grads = [local(p.grad) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            self.manager.allreduce(flat).wait()
-            self._abort_failed_collective()
-            offset = 0
-            for g in grads:
-                n = g.numel()
-                g.copy_(flat[offset:offset + n].view_as(g))
-                offset += n
+        self.buckets.finish()
+        for aborting in self._aborting:  # a failed bucket's abort is done before the step goes on
+            aborting.join()
+        self._aborting.clear()
+        self._abort_failed_collective()
+
+    def gradient_handoff(self) -> GradientBuckets:
+        return self.buckets
+
+    def _trainable(self) -> list[torch.Tensor]:
+        """The registered modules' trainable parameters, in module order: the same list in every group."""
+        return [p for m in self._modules() for p in m.parameters() if p.requires_grad]
+
+    def _issue(self, buffer: torch.Tensor) -> Optional[torch.futures.Future]:
+        """Start summing ``buffer`` over the quorum's groups (what torchft's ``Manager.allreduce`` does: nothing
+        after a failure, zeros from a group that sits the step out, the sum divided by the participants), on
+        the process group itself, so that a failure is acted on the moment it is known. The future completes
+        with the average, or with None if the all-reduce failed (the step is then discarded)."""
+        if self.manager.errored() is not None:
+            return None
+        if self.participating_rank is None:
+            buffer.zero_()
+        participants = self.participants
+        from torch.distributed import AllreduceOptions, ReduceOp
+
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        try:
+            future = self._pg.allreduce([buffer], opts).get_future()
+        except Exception as error:  # e.g. a process group aborted by an earlier bucket's failure
+            self._failed(error)
+            return None
+
+        def averaged(fut: torch.futures.Future) -> Optional[torch.Tensor]:
+            try:
+                fut.value()
+            except Exception as error:
+                self._failed(error)
+                return None
+            return buffer.div_(participants)
+
+        return future.then(averaged)
 
     def mean_across_groups(self, means: torch.Tensor) -> torch.Tensor:
         """A logged record's values averaged over the committed step's groups (all of them log the same step,
-        having committed it together): one small all-reduce on the quorum's process group, on logging steps
-        only. If a group failed since the commit, this group's own means (the error is dropped at the next
-        quorum, as a failed step's is)."""
+        having committed it together): one small all-reduce on that step's process group (the next step's
+        quorum may be forming already; it reconfigures the process group only after this), on logging steps
+        only. If a group failed since the commit, this group's own means (the process group is aborted; the
+        next quorum replaces it)."""
         if self.participants <= 1:
             return means
-        mean = means.clone()
-        self.manager.allreduce(mean).wait()
-        self._abort_failed_collective()
-        return means if self.manager.errored() else mean
+        from torch.distributed import AllreduceOptions, ReduceOp
+
+        mean = means.clone() if self.participating_rank is not None else torch.zeros_like(means)
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        try:
+            self._pg.allreduce([mean], opts).wait()
+        except Exception:
+            self._abort_once()
+            return means
+        return mean / self.participants
 
     def commit(self) -> bool:
-        """Whether every participant finished this step (decided once; the optimizer steps only then)."""
+        """Whether every participant finished this step (decided once; the optimizer steps only then). Once
+        decided, the next step's quorum is asked for (:meth:`_start_ahead`)."""
         if self.committed is None:
             self.sync_gradients()
             self.committed = bool(self.manager.should_commit())
+            self._error = str(self.manager.errored() or "")[:300]  # before the next quorum starts afresh
+            self._start_ahead()
         return self.committed
 
     def end_step(self) -> bool:
@@ -309,7 +447,7 @@ class ReplicaGroup(_ReplicaRecords):
             self.window["discarded_s"] += time.perf_counter() - self._step_t0
             self._restore_snapshot()
             self._send_group(StepDiscarded(node=self.ctx.node, step=step, replicas=self.participants,
-                                           error=str(self.manager.errored() or "")[:300]))
+                                           error=self._error))
         elif self.last_committed_participants != self.participants:
             if self.ctx.is_main:
                 send(self.emit, QuorumChanged(step=step, replicas=self.participants,
@@ -361,8 +499,12 @@ class ReplicaGroup(_ReplicaRecords):
         window, self.window = self.window, dict.fromkeys(WINDOW_KEYS, 0.0)
         return {k: round(v, 4) for k, v in window.items()}
 
+    def notices(self, pending: Callable[[], bool]) -> None:
+        self._notice_pending = pending
+
     def shutdown(self) -> None:
         if self._manager is not None:
+            self._release()  # a quorum asked for ahead must not wait on this worker's state or process group
             self._manager.shutdown(wait=False)
 
 

@@ -4,6 +4,7 @@ implementation.
 
 The session (orchestrator/elastic/session.py) calls, in this order:
 
+- :meth:`~StepProtocol.gradient_handoff` when the model is spread over the ranks (the strategy's ``handoff``);
 - :meth:`~StepProtocol.record_start` once the worker joined its process group (the round it joined);
 - :meth:`~StepProtocol.attach` when the training state is registered: it returns what the session calls from
   then on;
@@ -14,7 +15,8 @@ The session (orchestrator/elastic/session.py) calls, in this order:
   :meth:`~StepProtocol.commit`, ``sync_gradients`` :meth:`~StepProtocol.sync_gradients`), then
   :meth:`~StepProtocol.end_step` at the boundary (commit or discard), :meth:`~StepProtocol.window_rolled`
   when a metrics window closes, :meth:`~StepProtocol.mean_across_groups` on a logged record's values;
-- on an agreed preemption notice, :meth:`~StepProtocol.peers_hold_state` (then :meth:`~StepProtocol.left`);
+- :meth:`~StepProtocol.notices` once, when the session starts watching for preemption notices; on an agreed
+  notice, :meth:`~StepProtocol.peers_hold_state` (then :meth:`~StepProtocol.left`);
 - :meth:`~StepProtocol.shutdown` at the end.
 
 Restart mode's implementation, :class:`RestartSteps`, does nothing: torchrun restarts every worker on a
@@ -30,6 +32,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from orchestrator.events import Event, RendezvousComplete, Restart
+from orchestrator.parallel.base import GradientHandoff
 from orchestrator.runtime.distributed import DistContext
 from orchestrator.runtime.state import Stateful, TrainingState
 
@@ -81,9 +84,18 @@ class StepProtocol(Protocol):
     def sync_gradients(self) -> None:
         """Average the gradients over whatever the process group does not span (once per step)."""
 
+    def gradient_handoff(self) -> Optional[GradientHandoff]:
+        """Where the parallelism strategy hands each gradient once it is final within the process group, so that
+        averaging it over what the process group does not span overlaps the backward pass (:meth:`sync_gradients`
+        then waits for it); None: there is nothing to average (the process group is the job)."""
+
     def mean_across_groups(self, means: torch.Tensor) -> torch.Tensor:
         """A logged record's values, means over the process group, as means over the job (whatever the process
         group does not span), so the record reads the global batch's loss in every mode."""
+
+    def notices(self, pending: Callable[[], bool]) -> None:
+        """``pending()``: whether this worker holds a preemption notice that the next step boundary will act on.
+        A mode that starts the next step's work before the boundary (per_step's quorum) holds it back then."""
 
     def peers_hold_state(self) -> bool:
         """Whether workers outside this node go on with the state, so a noticed node may leave unsaved."""
@@ -138,8 +150,15 @@ class RestartSteps:
     def sync_gradients(self) -> None:
         pass  # DDP averaged the gradients in the backward pass
 
+    def gradient_handoff(self) -> Optional[GradientHandoff]:
+        return None
+
     def mean_across_groups(self, means: torch.Tensor) -> torch.Tensor:
         return means  # the process group is the job
+
+    def notices(self, pending: Callable[[], bool]) -> None:
+        pass
+
     def peers_hold_state(self) -> bool:
         return False
 

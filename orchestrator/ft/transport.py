@@ -49,6 +49,7 @@ class PeerStateTransport(CheckpointTransport[Any]):
         self._step: Optional[int] = None
         self._state: Any = None
         self._payload: Optional[bytes] = None
+        self._to_serve = 0  # fetches of the staged state still to come (one per recovering group)
         self.staged = 0  # states staged for a recovering peer so far
         self._gate = Gate(listening_socket(self.address, 0), self.secret, self._route, on_refused,
                           name="orch-ft-state", max_connections=16, max_pending=16)
@@ -63,12 +64,23 @@ class PeerStateTransport(CheckpointTransport[Any]):
         # bytes are made when a peer asks, so a survivor that is never asked pays nothing.
         with self._cond:
             self._step, self._state, self._payload = step, state_dict, None
+            self._to_serve = len(dst_ranks)
             self.staged += 1
             self._cond.notify_all()
 
     def disallow_checkpoint(self) -> None:
         with self._cond:
             self._step, self._state, self._payload = None, None, None
+            self._to_serve = 0
+            self._cond.notify_all()
+
+    def wait_served(self, timeout_s: float) -> bool:
+        """Until every recovering group this worker was told to heal has fetched the staged state (or failed to),
+        at most ``timeout_s``: a source that trained on meanwhile would start its all-reduces while its peer is
+        still fetching, and time out on a state that takes longer to send than ``collective_timeout_s``.
+        Returns whether every fetch is done."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._to_serve == 0, timeout_s)
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
         if not metadata.startswith(SCHEME):
@@ -108,7 +120,12 @@ class PeerStateTransport(CheckpointTransport[Any]):
             if self._payload is None:
                 self._payload = encode(self._state)
             payload = self._payload
-        send_json(sock, {"ok": True})
-        send_bytes(sock, payload)
+        try:
+            send_json(sock, {"ok": True})
+            send_bytes(sock, payload)
+        finally:
+            with self._cond:  # served, or the peer is gone: either way nothing more to wait for from it
+                self._to_serve = max(0, self._to_serve - 1)
+                self._cond.notify_all()
         if self.on_served is not None:
             self.on_served(step, len(payload), time.perf_counter() - started)

@@ -6,12 +6,16 @@ The order a loop follows: ``build`` the model from a factory (or ``wrap`` one bu
 optimizer over the *wrapped* module's parameters (a sharded strategy turns them into DTensors), take the grad
 scaler from ``grad_scaler``, run accumulation micro-steps inside ``no_sync``, clip with ``clip_grad_norm_``, and
 register ``unwrap(model)`` for checkpoints.
+
+A fault-tolerance mode that averages gradients over what the process group does not span (per_step's other
+replica groups) passes a :class:`GradientHandoff` to ``build``/``wrap`` (``handoff=``, only then): the strategy
+hands it each gradient as soon as it is final within the group, so that averaging overlaps the backward pass.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional, Protocol
 
 import torch
 from torch import nn
@@ -19,6 +23,15 @@ from torch import nn
 from orchestrator.config.schema import OrchConfig
 from orchestrator.runtime.distributed import DistContext
 from orchestrator.runtime.state import unwrap
+
+
+class GradientHandoff(Protocol):
+    """Takes each parameter's gradient once it is final within the process group (reduced over its ranks), in a
+    backward pass that synchronizes gradients (never inside ``no_sync``)."""
+
+    def ready(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """``grad``: ``param``'s gradient (or its local shard, or a view of either), which the strategy may reuse
+        once this returns. Called from the thread that finished it (autograd's, or a collective's)."""
 
 
 class Strategy:
@@ -35,15 +48,18 @@ class Strategy:
         self.cfg = cfg
 
     def build(self, factory: Callable[[], nn.Module], ctx: DistContext, device: torch.device, *,
-              timer: Any = None) -> nn.Module:
+              timer: Any = None, handoff: Optional[GradientHandoff] = None) -> nn.Module:
         """The model ``factory()`` makes, spread over the ranks: by default :meth:`wrap` of the model built on
         every rank and moved to ``device``. A sharded strategy overrides it so that a model that does not fit one
         device is never built whole on every rank. Every rank calls it with the same factory (same seed)."""
-        return self.wrap(factory().to(device), ctx, device, timer=timer)
+        return self.wrap(factory().to(device), ctx, device, timer=timer, **handoff_kwargs(handoff))
 
-    def wrap(self, model: nn.Module, ctx: DistContext, device: torch.device, *, timer: Any = None) -> nn.Module:
+    def wrap(self, model: nn.Module, ctx: DistContext, device: torch.device, *, timer: Any = None,
+             handoff: Optional[GradientHandoff] = None) -> nn.Module:
         """The module to call forward on (``model`` is on ``device``, identical on every rank or made so here).
-        ``timer``: a StepTimer whose communication hooks the strategy may install. Every rank calls it."""
+        ``timer``: a StepTimer whose communication hooks the strategy may install. ``handoff``: where to hand
+        each gradient once it is final within the group (a strategy that does not is still correct: the mode
+        then takes the gradients after the backward pass). Every rank calls it."""
         return model
 
     def no_sync(self, model: nn.Module) -> ContextManager:
@@ -63,3 +79,8 @@ class Strategy:
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The module whose state dict is the model's (no wrapper prefixes): what checkpoints register."""
         return unwrap(model)
+
+
+def handoff_kwargs(handoff: Optional[GradientHandoff]) -> dict[str, Any]:
+    """``handoff=`` only when there is one: a plug-in strategy written before the handoff keeps working."""
+    return {"handoff": handoff} if handoff is not None else {}

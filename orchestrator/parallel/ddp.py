@@ -1,17 +1,19 @@
 """``parallelism.strategy=ddp``: every rank holds the whole model; DistributedDataParallel all-reduces the
-gradients during the backward pass, with the ``ddp`` group's flags."""
+gradients during the backward pass, with the ``ddp`` group's flags. With a gradient handoff (per_step), DDP's
+comm hook hands each bucket's gradients over as soon as the group's all-reduce of that bucket is done."""
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, ContextManager
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from orchestrator.config.schema import DDPConfig
-from orchestrator.parallel.base import Strategy
+from orchestrator.parallel.base import GradientHandoff, Strategy
 from orchestrator.runtime.distributed import DistContext
 
 DDP_PARAMS = inspect.signature(DDP.__init__).parameters
@@ -33,14 +35,47 @@ class DDPStrategy(Strategy):
 
     name = "ddp"
 
-    def wrap(self, model: nn.Module, ctx: DistContext, device: torch.device, *, timer: Any = None) -> nn.Module:
+    def wrap(self, model: nn.Module, ctx: DistContext, device: torch.device, *, timer: Any = None,
+             handoff: Optional[GradientHandoff] = None) -> nn.Module:
         d = self.cfg.ddp if self.cfg is not None else DDPConfig()
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs(d))
+        hook = handing_hook(handoff) if handoff is not None else None
         if timer is not None:
-            timer.register(ddp)
+            timer.register(ddp, hook)
+        elif hook is not None:
+            ddp.register_comm_hook(None, hook)
         if self.cfg is not None and self.cfg.trainer.compile:
             return torch.compile(ddp, mode=self.cfg.trainer.compile_mode)
         return ddp
 
     def no_sync(self, model: nn.Module) -> ContextManager:
         return model.no_sync()
+
+
+def handing_hook(handoff: GradientHandoff) -> Callable:
+    """A DDP comm hook: torch's default all-reduce of the bucket over the group (skipped in a group of one rank:
+    averaging over one rank changes nothing), then each of its parameters' gradients handed to ``handoff``,
+    from the thread that finished the all-reduce, before DDP copies the bucket into ``.grad``. DDP calls a comm
+    hook only in backward passes that synchronize (not inside ``no_sync``)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def hook(process_group, bucket):  # no annotations: DDP rejects the string ones of this module
+        if dist.get_world_size(process_group) > 1:
+            reduced = allreduce_hook(process_group, bucket)
+        else:
+            reduced = torch.futures.Future()
+            reduced.set_result(bucket.buffer())
+        params = bucket.parameters()
+
+        def hand(fut: "torch.futures.Future[torch.Tensor]") -> torch.Tensor:
+            buffer = fut.value()
+            offset = 0
+            for p in params:  # the bucket's flat buffer holds its parameters' gradients in this order
+                n = p.numel()
+                handoff.ready(p, buffer[offset:offset + n])
+                offset += n
+            return buffer
+
+        return reduced.then(hand)
+
+    return hook

@@ -14,7 +14,7 @@ head, form one more unit).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ from torch import nn
 
 from orchestrator.config.schema import ParallelismConfig
 from orchestrator.errors import ConfigError
-from orchestrator.parallel.base import Strategy
+from orchestrator.parallel.base import GradientHandoff, Strategy
 from orchestrator.runtime.distributed import DistContext
 from orchestrator.runtime.precision import DTYPES
 
@@ -47,13 +47,14 @@ class FSDP2Strategy(Strategy):
 
         return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("shard",))
 
-    def wrap(self, model: nn.Module, ctx: DistContext, device: torch.device, *, timer: Any = None) -> nn.Module:
+    def wrap(self, model: nn.Module, ctx: DistContext, device: torch.device, *, timer: Any = None,
+             handoff: Optional[GradientHandoff] = None) -> nn.Module:
         _need_group(self.name)
         broadcast_from_rank0(model)  # fully_shard keeps each rank's slice as it is: start from rank 0's values
-        return self._shard(model, ctx, device)
+        return _hand_over(self._shard(model, ctx, device), handoff)
 
     def build(self, factory: Callable[[], nn.Module], ctx: DistContext, device: torch.device, *,
-              timer: Any = None) -> nn.Module:
+              timer: Any = None, handoff: Optional[GradientHandoff] = None) -> nn.Module:
         """Built whole on rank 0 only, as torch documents for FSDP2: rank 0 runs ``factory()`` on the CPU (its
         seeded initialization, so the weights are DDP's), every other rank under ``torch.device("meta")`` (no
         storage); all shard, the others allocate only their shards (``to_empty``), and rank 0's full state dict
@@ -77,7 +78,7 @@ class FSDP2Strategy(Strategy):
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         del full
         broadcast_buffers(model)
-        return model
+        return _hand_over(model, handoff)
 
     def _shard(self, model: nn.Module, ctx: DistContext, device: torch.device) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
@@ -178,6 +179,18 @@ def _wrap_unit(model: nn.Module, name: str, unit: nn.Module, checkpointing: bool
     wrapped = checkpoint_wrapper(unit)
     model.get_submodule(parent_name).register_module(attr, wrapped)
     return wrapped
+
+
+def _hand_over(model: nn.Module, handoff: Optional[GradientHandoff]) -> nn.Module:
+    """With ``handoff``, each sharded parameter's gradient is handed over from the post-accumulate-grad hook that
+    FSDP2 runs right after its unit's reduce-scatter, so only in a backward pass that synchronizes gradients
+    (inside ``no_sync`` nothing is reduced and no hook runs). Registered on the final parameters (after any
+    ``to_empty``)."""
+    if handoff is not None:
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda param: handoff.ready(param, param.grad))
+    return model
 
 
 def _need_group(name: str) -> None:

@@ -69,15 +69,17 @@ class StepTimer:
         self._last_launch: Optional[float] = None
         self.comm_seconds = 0.0  # exposed communication since the start (a step's busy time is the rest)
 
-    def register(self, ddp: "torch.nn.parallel.DistributedDataParallel") -> None:
-        """Time the all-reduce of every gradient bucket of ``ddp`` (torch's default allreduce, wrapped)."""
+    def register(self, ddp: "torch.nn.parallel.DistributedDataParallel", hook: Optional[Callable] = None) -> None:
+        """Time the all-reduce of every gradient bucket of ``ddp``: ``hook``'s (a DDP comm hook), else torch's
+        default allreduce, wrapped."""
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        self._allreduce = allreduce_hook
+        self._allreduce = hook or allreduce_hook
         ddp.register_comm_hook(None, self.comm_hook)
 
     def comm_hook(self, process_group, bucket):  # no annotations: DDP rejects the string ones of this module
-        """torch's ``allreduce_hook`` (what DDP does without a hook), plus the launch and completion times.
+        """torch's ``allreduce_hook`` (what DDP does without a hook; or the hook :meth:`register` was given), plus
+        the launch and completion times.
 
         ``process_group``: DDP's hook state (None: the default group); ``bucket``: a ``dist.GradBucket``.
         Returns the future of the averaged bucket, as DDP requires."""

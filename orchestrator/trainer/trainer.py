@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 from orchestrator.config.schema import OrchConfig
 from orchestrator.elastic import GlobalBatchSampler, Session
+from orchestrator.parallel.base import handoff_kwargs
 from orchestrator.rundir import SAMPLES_DIR, append_jsonl
 from orchestrator.runtime.precision import MixedPrecision
 
@@ -62,8 +63,10 @@ class Trainer:
         seed_everything(cfg.trainer.seed)  # identical init on every rank (the strategy's broadcast makes sure)
         self.strategy = session.strategy
         # The strategy builds it: a sharded one never builds the whole model on every rank.
+        # per_step: the strategy hands each gradient to the mode as soon as it is final within this node's
+        # group, so its average over the other groups overlaps the backward pass.
         self.model = self.strategy.build(lambda: instantiate(cfg.model, _convert_="all"), self.ctx, self.device,
-                                         timer=self.timer)
+                                         timer=self.timer, **handoff_kwargs(session.ft.gradient_handoff()))
         self.raw_model = self.strategy.unwrap(self.model)  # what checkpoints hold
         # After wrapping: a sharded strategy's parameters are DTensors, and the optimizer must hold those.
         self.optimizer = instantiate(cfg.optim, params=self.model.parameters(), _convert_="all")
