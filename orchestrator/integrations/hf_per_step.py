@@ -154,6 +154,7 @@ def train_per_step(trainer: Any, cfg: OrchConfig, run_dir: Optional[str]) -> Any
             trainer.optimizer.step()  # a no-op unless the quorum commits this step
             control = trainer.callback_handler.on_optimizer_step(args, state, control)
             committed = session.ft.commit()
+            learning_rate = trainer.lr_scheduler.get_last_lr()[0]  # this step's, as the Trainer logs it
             if committed:
                 with warnings.catch_warnings():  # torch's check of its own step() wrapper, which the commit replaced
                     warnings.filterwarnings("ignore", r"Seems like `optimizer\.step\(\)` has been overridden")
@@ -172,7 +173,7 @@ def train_per_step(trainer: Any, cfg: OrchConfig, run_dir: Optional[str]) -> Any
                 job_loss = session.metrics.last_loss
                 logged_total += (job_loss or 0.0) * (session.step - first_step - logged_steps)
                 logged_steps = session.step - first_step
-                logs = {"loss": job_loss, "learning_rate": trainer.lr_scheduler.get_last_lr()[0]}
+                logs = {"loss": job_loss, "learning_rate": learning_rate}
                 if grad_norm is not None:
                     logs["grad_norm"] = float(grad_norm)
                 trainer.log(logs)
