@@ -113,6 +113,14 @@ def cmd_bench_recovery(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_replay(args: argparse.Namespace) -> int:
+    from orchestrator.bench.replay import main_replay_bench
+
+    main_replay_bench(out=args.out, trace_path=args.trace, systems=args.systems, seed=args.seed,
+                      max_steps=args.max_steps, plot_path=args.plot, workdir=args.workdir)
+    return 0
+
+
 def cmd_bench_hang(args: argparse.Namespace) -> int:
     from orchestrator.bench.hang import main_hang_bench
 
@@ -328,6 +336,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per_step: 1 of 3 nodes, bare torchrun vs orch restart vs orch per_step in one run; the JSON "
                         "has one object per mode under 'restart' and 'per_step'")
     p.set_defaults(func=cmd_bench_recovery)
+    p = bench.add_parser("replay", help="one failure trace against bare torchrun, orch restart, orch per_step and Ray "
+                                        "Train, same job, one after another")
+    p.add_argument("--out", help="write {rows: [{system, wall_s, wall_s_fault_free, time_to_train_ratio, lost_steps, "
+                                 "mttr_s, steps_completed}]} as JSON (and the plot beside it, .png)")
+    p.add_argument("--trace", metavar="FILE", help='a JSON list of {"t", "kind": kill|preempt|return, "node"} '
+                                                   "(default: a seeded trace of a few minutes)")
+    p.add_argument("--seed", type=int, default=0, help="the default trace's seed (default 0)")
+    p.add_argument("--systems", help="comma-separated subset of torchrun,orch-restart,orch-per_step,ray-train")
+    p.add_argument("--max-steps", type=int, default=300, help="training steps of every run (default 300)")
+    p.add_argument("--plot", metavar="FILE", help="the steps-over-time PNG (default: beside --out)")
+    p.add_argument("--workdir", help="keep every run's files here (default: a temporary dir)")
+    p.set_defaults(func=cmd_bench_replay)
 
     p = bench.add_parser("ckpt-interval", help="simulated goodput of every_n_steps=auto vs the best fixed interval, "
                                                 "failure intervals from 30 s to 24 h")
