@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from orchestrator.errors import ConfigError  # noqa: E402
 from orchestrator.integrations import hf  # noqa: E402
 from orchestrator.preemption.notices import Notice  # noqa: E402
 from orchestrator.rundir import EVENTS_FILE, METRICS_FILE, read_jsonl  # noqa: E402
-from orchproc import REPO, launch_and_preempt, summary  # noqa: E402
+from orchproc import REPO, launch_and_preempt, run_orch, start_orch, stop_tree, summary, wait_for  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -97,12 +98,18 @@ def test_training_args_come_from_the_run_config_unless_given(tmp_path, monkeypat
     assert hf.orch_training_args(None, output_dir=str(tmp_path / "o")).max_steps == -1, "outside orch: HF's defaults"
     # What the Trainer's own loop cannot follow is refused in one line, naming key, value and fix.
     for override, key in (("checkpoint.every_n_steps=auto", "checkpoint.every_n_steps"),
-                          ("fault_tolerance.mode=per_step", "fault_tolerance.mode"),
                           ("parallelism=fsdp2", "parallelism.strategy")):
         with pytest.raises(ConfigError, match=f"{key}=.*Fix: "):
             hf.orch_training_args(run_config(tmp_path, override))
     with pytest.raises(ConfigError, match="parallelism.strategy='hsdp' is not applied by the transformers.Trainer"):
         hf.OrchCallback(cfg=run_config(tmp_path, "parallelism=hsdp"))
+    # per_step: the arguments are the same; the callback in a plain Trainer refuses it, naming OrchTrainer.
+    per_step = run_config(tmp_path, "fault_tolerance.mode=per_step")
+    assert hf.orch_training_args(per_step).max_steps == 40
+    callback = hf.OrchCallback(run_dir=str(tmp_path), cfg=per_step)
+    with pytest.raises(ConfigError, match=r"fault_tolerance.mode='per_step' needs OrchTrainer.*Fix: build it as "
+                                          r"orchestrator.integrations.hf.OrchTrainer"):
+        callback.on_train_begin(hf.orch_training_args(per_step), TrainerState(), TrainerControl())
 
 
 def test_only_complete_checkpoints_are_resumed_from(tmp_path):
@@ -346,3 +353,182 @@ def test_accumulation_under_orch_trains_the_standalone_curve(tmp_path, monkeypat
     standalone = curve(per_device_train_batch_size=24, gradient_accumulation_steps=1)
     assert under_orch == pytest.approx(standalone, rel=1e-4), (under_orch, standalone)
     assert 4.0 < under_orch[0] < 5.5, "a first loss near ln(128), not 6 x it"
+
+
+# -- per_step: OrchTrainer's loop through the quorum ---------------------------------------------------------------
+
+# The returning node's start-up (15-30 s) is most of the test; node 0 trained 180-450 steps alone meanwhile here.
+HF_PER_STEP_STEPS = 800
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_the_hf_example_per_step_survives_a_killed_node_which_heals_from_a_peer(tmp_path):
+    """examples/hf_trainer.py (OrchTrainer) under fault_tolerance.mode=per_step on 1..2 simulated nodes, node 1
+    SIGKILLed (`orch chaos kill-node`) once both groups train together: node 0 trains on alone without a restart,
+    node 1's new agent heals from node 0 (replica_healed, bit-identical), and the run commits every step once at
+    the global batch of cpu_elastic (24), with the job's loss in every record."""
+    from orchestrator.ft import torchft_problem
+
+    if torchft_problem() is not None:
+        pytest.skip(str(torchft_problem()))
+    run_dir, log = tmp_path / "run", tmp_path / "orch.log"
+    proc = start_orch("launch", "conf=cpu_elastic", "launcher=local", "cluster.nnodes=1:2",
+                      "fault_tolerance.mode=per_step", "entrypoint.script=examples/hf_trainer.py",
+                      f"trainer.max_steps={HF_PER_STEP_STEPS}", "trainer.log_every=1", "checkpoint.every_n_steps=200",
+                      f"run.dir={run_dir}", log=log)
+    events = lambda: read_jsonl(run_dir / EVENTS_FILE)  # noqa: E731
+    try:
+        def together() -> bool:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            return any(e["event"] == "quorum_changed" and e["replicas"] == 2 for e in events())
+
+        wait_for(together, 240, "both replica groups in the quorum")
+        killed_at = max((m["step"] for m in read_jsonl(run_dir / METRICS_FILE)), default=0)
+        before_kill = time.time()
+        kill = run_orch("chaos", "kill-node", str(run_dir), "--node", "1", timeout=30)
+        assert kill.returncode == 0, kill.stderr
+
+        def healed() -> list[dict]:
+            assert proc.poll() is None, "the run ended before node 1 came back: " + log.read_text()[-3000:]
+            return [e for e in events() if e["event"] == "replica_healed" and e["node"] == 1
+                    and e["t"] > before_kill]
+
+        wait_for(healed, 240, "the returning node 1 healing from node 0")
+        assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
+    finally:
+        stop_tree(proc.pid)
+
+    evs = read_jsonl(run_dir / EVENTS_FILE)
+    killed = next(e["t"] for e in evs if e["event"] == "chaos_kill")
+    s = summary(run_dir)
+    assert s["status"] == "succeeded" and s["steps_completed"] == HF_PER_STEP_STEPS, s
+    # The survivor never restarted: no torchrun restart, nothing read from storage, and it went on alone.
+    unexpected = [e for e in evs if e["event"] in ("restart", "checkpoint_loaded", "worker_failed")]
+    assert not unexpected, (unexpected, log.read_text()[-3000:])
+    shrink = next(e for e in evs if e["event"] == "quorum_changed" and e["t"] > killed)
+    assert shrink["replicas"] == 1 and shrink["step"] > killed_at, shrink
+    healed = next(e for e in evs if e["event"] == "replica_healed" and e["t"] > killed)
+    assert healed["node"] == 1 and healed["source_node"] == 0 and healed["checkpoint_read"] is False
+    assert healed["params_sha256"] == healed["source_params_sha256"] and healed["step"] > shrink["step"]
+    grown = [e for e in evs if e["event"] == "quorum_changed" and e["t"] > healed["t"]]
+    assert grown and grown[0]["replicas"] == 2 and grown[0]["step"] == healed["step"] + 1, grown
+    metrics = read_jsonl(run_dir / METRICS_FILE)
+    assert sorted(m["step"] for m in metrics) == list(range(1, HF_PER_STEP_STEPS + 1)), "every step committed once"
+    alone = [m for m in metrics if shrink["step"] <= m["step"] <= healed["step"]]
+    assert alone and {m["world_size"] for m in alone} == {1}, "node 0 trained on alone"
+    assert {m["world_size"] for m in metrics if m["step"] > healed["step"]} == {2}
+    # The global batch stayed 24 at both sizes (accumulation 6 alone, 3 each together), and the loss is the
+    # job's: near ln(128) at the start, never world x accumulation times too large.
+    assert s["goodput"]["lost_steps"] == 0, s["goodput"]
+    assert 4.0 < metrics[0]["loss"] < 5.5 and max(m["loss"] for m in metrics) < 5.5, metrics[0]
+
+
+class _DiscardOnce:
+    """per_step's step protocol for one group without a quorum service: the optimizer steps only on commit
+    (ft/replica.py's wrap_for_commit) and step ``discard`` is discarded once, as when a peer dies in its all-reduce,
+    its state put back by ReplicaGroup's own snapshot code (scheduler, records, buffers, RNG)."""
+
+    def __init__(self, discard: int | None):
+        from orchestrator.ft.replica import ReplicaGroup
+
+        self.discard, self.device, self.state = discard, __import__("torch").device("cpu"), None
+        self.attempts: list[int] = []
+        self.committed, self._began = None, False
+        self._take_snapshot = ReplicaGroup._take_snapshot.__get__(self)
+        self._restore_snapshot = ReplicaGroup._restore_snapshot.__get__(self)
+
+    def __getattr__(self, name):  # everything else as in restart mode
+        from orchestrator.ft.steps import RestartSteps
+
+        return getattr(RestartSteps(), name)
+
+    def attach(self, state, emit, window):
+        from orchestrator.ft.replica import wrap_for_commit
+
+        self.state = state
+        wrap_for_commit(state, self)
+        return self
+
+    def membership(self):
+        return lambda: (1, 0, self.state.progress.samples_consumed)
+
+    def begin_step(self):
+        if not self._began:
+            self._began, self.committed, self._snapshot = True, None, self._take_snapshot()
+
+    def commit(self) -> bool:
+        if self.committed is None:
+            step = self.state.progress.step + 1
+            self.committed = step != self.discard or step in self.attempts
+            self.attempts.append(step)
+        return self.committed
+
+    def end_step(self) -> bool:
+        committed = self.commit()
+        if not committed:
+            self._restore_snapshot()
+        self._began = False
+        return committed
+
+
+@pytest.mark.timeout(120)
+def test_orch_trainer_per_step_loop_trains_a_discarded_step_again_without_advancing_anything(tmp_path, monkeypatch):
+    """OrchTrainer's per_step loop in one process (the quorum replaced by a protocol that discards step 3 once):
+    the discarded attempt moves neither global_step, the scheduler, the data position nor the RNG (dropout on), so
+    the run ends bit-identical to one without the discard, with the same records, on_step_end once per step, and
+    step 3's samples drawn again."""
+    pytest.importorskip("torchft")
+    import torch
+    from transformers import BertConfig, BertForMaskedLM, TrainerCallback
+
+    from orchestrator.runtime.state import params_sha256
+
+    sys.path.insert(0, str(REPO / "examples"))
+    from hf_trainer import SEQ, VOCAB, SyntheticTokens
+
+    class Drawn(SyntheticTokens):
+        def __init__(self):
+            super().__init__(num_samples=240)
+            self.ids_drawn: list[int] = []
+
+        def __getitem__(self, index):
+            self.ids_drawn.append(index)
+            return super().__getitem__(index)
+
+    class Steps(TrainerCallback):
+        def __init__(self):
+            self.ended: list[int] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ended.append(state.global_step)
+
+    def train(discard: int | None, run_dir: Path):
+        cfg = run_config(run_dir, "fault_tolerance.mode=per_step", "trainer.max_steps=6", "trainer.log_every=1")
+        protocol = _DiscardOnce(discard)
+        monkeypatch.setattr("orchestrator.elastic.session.step_protocol", lambda *a: protocol)
+        torch.manual_seed(0)
+        model = hf.averages_its_own_loss(BertForMaskedLM(BertConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=SEQ)))  # dropout on: the RNG must be put back too
+        data, steps = Drawn(), Steps()
+        trainer = hf.OrchTrainer(model=model, args=hf.orch_training_args(cfg, learning_rate=1e-3, warmup_steps=2),
+                                 train_dataset=data, callbacks=[hf.OrchCallback(str(run_dir), cfg), steps],
+                                 cfg=cfg, run_dir=str(run_dir))
+        out = trainer.train()
+        records = read_jsonl(run_dir / METRICS_FILE)
+        return trainer, out, data.ids_drawn, steps.ended, records, protocol.attempts
+
+    plain, out, drawn, ended, records, attempts = train(None, tmp_path / "plain")
+    assert attempts == [1, 2, 3, 4, 5, 6] and out.global_step == 6 and ended == [1, 2, 3, 4, 5, 6]
+    assert not any(isinstance(c, hf.OrchCallback) for c in plain.callback_handler.callbacks), "the session does it"
+    again, out2, drawn2, ended2, records2, attempts2 = train(3, tmp_path / "again")
+    assert attempts2 == [1, 2, 3, 3, 4, 5, 6] and out2.global_step == 6 and ended2 == [1, 2, 3, 4, 5, 6]
+    per_step = len(drawn) // 6  # the global batch, 24: micro 4 x accumulation 6 at world 1
+    assert per_step == 24 and drawn2 == drawn[:3 * per_step] + drawn[2 * per_step:], "step 3's samples again"
+    assert again.lr_scheduler.last_epoch == plain.lr_scheduler.last_epoch == 6
+    assert [(r["step"], r["loss"], r["lr"]) for r in records2] == [(r["step"], r["loss"], r["lr"]) for r in records]
+    assert params_sha256(again.model) == params_sha256(plain.model), "the discard left nothing behind"
+    assert 4.0 < records[0]["loss"] < 5.5, "a first loss near ln(128): the loss is not scaled by accumulation"
+    finished = [e for e in read_jsonl(tmp_path / "again" / EVENTS_FILE) if e["event"] == "training_finished"]
+    assert [e["steps_completed"] for e in finished] == [6]
