@@ -148,6 +148,20 @@ def format_table(rows: list[dict], max_steps: int) -> str:
     return "\n".join(lines)
 
 
+def _segments(steps: list[tuple[float, int]], stall_s: float = 2.0) -> tuple[list[float], list[float]]:
+    """x (seconds since the first step) and y (step), broken (NaN) where a run went back to a saved step or
+    completed nothing for ``stall_s``: a pause shows as a gap, not as a slope."""
+    t0 = steps[0][0]
+    xs, ys = [], []
+    for i, (t, step) in enumerate(steps):
+        if i and (step <= steps[i - 1][1] or t - steps[i - 1][0] > stall_s):
+            xs.append(math.nan)
+            ys.append(math.nan)
+        xs.append(t - t0)
+        ys.append(step)
+    return xs, ys
+
+
 def plot(results: dict[str, tuple[RunResult, RunResult]], trace: list[TraceEvent], path: Path) -> None:
     """Steps over time, one colour per system (solid: under the trace, dashed: fault-free), x counted from each
     run's first completed step (the trace's clock); the trace's events as vertical lines."""
@@ -156,14 +170,13 @@ def plot(results: dict[str, tuple[RunResult, RunResult]], trace: list[TraceEvent
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(11, 5.5))
+    fig, ax = plt.subplots(figsize=(13, 5.5))
     for i, (system, (fault_free, traced)) in enumerate(results.items()):
         colour = f"C{i}"
         for run, style, label in ((traced, "-", system), (fault_free, "--", f"{system}, fault-free")):
             if run.steps:
-                t0 = run.steps[0][0]
-                ax.plot([t - t0 for t, _ in run.steps], [s for _, s in run.steps], style, color=colour,
-                        linewidth=1.6 if style == "-" else 0.9, label=label)
+                xs, ys = _segments(run.steps)
+                ax.plot(xs, ys, style, color=colour, linewidth=1.6 if style == "-" else 0.9, label=label)
     marks = {"kill": ("red", "SIGKILL"), "preempt": ("orange", "notice"), "return": ("green", "return")}
     seen = set()
     for e in trace:
@@ -177,7 +190,7 @@ def plot(results: dict[str, tuple[RunResult, RunResult]], trace: list[TraceEvent
     ax.set_xlabel("seconds since the run's first completed step")
     ax.set_ylabel("step")
     ax.set_title("orch bench replay: the same failure trace against each system")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
