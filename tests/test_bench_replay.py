@@ -147,8 +147,39 @@ def test_bare_torchrun_leg_replays_a_kill_and_a_return(tmp_path):
     (r,) = json.loads(out.read_text())["rows"]
     assert r["system"] == "torchrun" and r["steps_completed"] == 60 and r["events_applied"] == 2, r
     assert len(r["mttr_s"]) == 2 and r["mttr_s"][0] > 0 and r["wall_s"] > 0 and r["wall_s_fault_free"] > 0
-    steps = [json.loads(line)["step"] for line in (work / "torchrun" / "trace" / "steps.jsonl").read_text().splitlines()]
+    lines = (work / "torchrun" / "trace" / "steps.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in lines]
     assert steps[-1] == 60 and r["lost_steps"] == sum(a - (b - 1) for a, b in zip(steps, steps[1:]) if b < a)
     assert out.with_suffix(".png").exists() and "torchrun" in result.stdout
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(work) in " ".join(p.info["cmdline"] or [])]
     assert not left, f"processes of the leg still running: {left}"
+
+
+def test_a_notice_reaches_an_orch_agent_started_on_the_noticed_machine_before_its_deadline(tmp_path):
+    """A cloud's notice is the machine's: orch's agent placed there after the notice still gets it, once, with the
+    grace that is left; after the deadline (or the kill) nobody does."""
+    from orchestrator.bench.replay_legs import OrchRun
+    from orchestrator.preemption.notices import read_notice
+
+    run = OrchRun("restart", "127.0.0.1:1", [], tmp_path)
+    run.run_dir.mkdir(parents=True)
+    events = run.run_dir / "events.jsonl"
+
+    def joined(node, pid, ray_node):
+        with events.open("a") as f:
+            f.write(json.dumps({"t": 0, "event": "node_joined", "node": node, "pid": pid, "ray_node": ray_node}) + "\n")
+
+    joined(0, 101, "other")
+    run.notify(1, "doomed", grace_s=30)
+    assert read_notice(run.run_dir, 0, 101) is None and not (run.run_dir / "notices").exists()
+    joined(1, 202, "doomed")
+    run.poll()
+    run.poll()
+    notice = read_notice(run.run_dir, 1, 202)
+    assert notice is not None and notice.source == "chaos" and 25 < notice.grace_s <= 30
+    chaos = [json.loads(line) for line in events.read_text().splitlines() if "chaos_preempt" in line]
+    assert [(e["node"], e["agent_pid"]) for e in chaos] == [(1, 202)]
+    run.killed("doomed", [202])
+    joined(1, 303, "doomed")
+    run.poll()
+    assert read_notice(run.run_dir, 1, 303) is None

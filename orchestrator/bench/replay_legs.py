@@ -96,8 +96,8 @@ def steps_of(records: list[dict]) -> list[tuple[float, int]]:
 
 
 def play(system, machines, trace: Optional[list[TraceEvent]], timeout_s: float) -> RunResult:
-    """Run ``system`` (``start()``, ``steps()``, ``done(player)``, ``stop()``) with the trace played against
-    ``machines``; stop it whatever happens. ``finished``: it ended by itself before ``timeout_s``."""
+    """Run ``system`` (``start()``, ``steps()``, ``poll()``, ``done(player)``, ``stop()``) with the trace played
+    against ``machines``; stop it whatever happens. ``finished``: it ended by itself before ``timeout_s``."""
     start_t = time.time()
     player = TracePlayer(trace or [], machines, lambda: next(iter(system.steps()), (None,))[0])
     finished = False
@@ -106,6 +106,7 @@ def play(system, machines, trace: Optional[list[TraceEvent]], timeout_s: float) 
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not finished:
             player.tick()
+            system.poll()
             finished = system.done(player)
             time.sleep(POLL_S)
     finally:
@@ -170,6 +171,9 @@ class TorchrunRun:
 
     def steps(self) -> list[tuple[float, int]]:
         return steps_of(read_jsonl(self.steps_file))
+
+    def poll(self) -> None:
+        """Nothing between actions."""
 
     def done(self, player: TracePlayer) -> bool:
         # No agent left: the job finished, or every machine is down and the trace brings none back.
@@ -245,7 +249,8 @@ class RayMachines:
 
     def all_pids(self) -> list[int]:
         nodes = [self.cluster.head_node, *self.up.values()]
-        return [info.process.pid for n in nodes if n is not None for infos in n.all_processes.values() for info in infos]
+        return [info.process.pid for n in nodes if n is not None
+                for infos in n.all_processes.values() for info in infos]
 
 
 @contextmanager
@@ -289,6 +294,9 @@ class ProcessRun:
     def notify(self, node: int, ray_node: str, grace_s: float) -> None:
         """Give ``node`` (on Ray node ``ray_node``) a preemption notice the way this system reads one."""
 
+    def poll(self) -> None:
+        """Called between trace actions, on the same thread."""
+
     def killed(self, ray_node: str, pids: list[int]) -> None:
         """Ray node ``ray_node`` was just killed (``pids``)."""
 
@@ -309,6 +317,8 @@ class OrchRun(ProcessRun):
 
     def __init__(self, mode: str, address: str, overrides: list[str], workdir: Path):
         self.run_dir = workdir / "run"
+        self._noticed: dict[str, float] = {}  # Ray node -> its notice's deadline (unix time)
+        self._told: set[tuple[int, int]] = set()  # (node, agent pid) given a notice
         super().__init__([sys.executable, "-m", "orchestrator.cli", "launch", f"conf={PRESET}", *overrides,
                           "launcher=ray", f"cluster.address={address}", f"fault_tolerance.mode={mode}",
                           f"run.dir={self.run_dir}"], workdir / "orch.log")
@@ -323,20 +333,31 @@ class OrchRun(ProcessRun):
         return (joined[-1]["node"], joined[-1]["pid"]) if joined else None
 
     def notify(self, node: int, ray_node: str, grace_s: float) -> None:
+        """A cloud's notice is the machine's: an agent orch starts there before the deadline reads it too (as a
+        replacement placed on a noticed machine would find it in the metadata), with the grace that is left."""
+        self._noticed[ray_node] = time.time() + grace_s
+        self.poll()
+
+    def poll(self) -> None:
         from orchestrator.events import ChaosPreempt
         from orchestrator.preemption.notices import deliver_notice
         from orchestrator.rundir import EventLog
 
-        agent = self.agent_on(ray_node)
-        if agent is not None:
-            deliver_notice(self.run_dir, agent[0], agent[1], grace_s, source="chaos",
-                           detail=f"orch bench replay (grace {grace_s:g} s)")
-            EventLog(self.run_dir).write(ChaosPreempt(node=agent[0], grace_s=grace_s, agent_pid=agent[1]))
+        for ray_node, deadline in list(self._noticed.items()):
+            agent, left = self.agent_on(ray_node), deadline - time.time()
+            if left <= 0:
+                del self._noticed[ray_node]
+            elif agent is not None and agent not in self._told:
+                self._told.add(agent)
+                deliver_notice(self.run_dir, agent[0], agent[1], left, source="chaos",
+                               detail=f"orch bench replay (grace {left:.1f} s)")
+                EventLog(self.run_dir).write(ChaosPreempt(node=agent[0], grace_s=round(left, 2), agent_pid=agent[1]))
 
     def killed(self, ray_node: str, pids: list[int]) -> None:
         from orchestrator.events import ChaosKill
         from orchestrator.rundir import EventLog
 
+        self._noticed.pop(ray_node, None)
         agent = self.agent_on(ray_node)
         if agent is not None and agent[1] in pids:
             EventLog(self.run_dir).write(ChaosKill(node=agent[0], pids=pids, signal="SIGKILL"))
