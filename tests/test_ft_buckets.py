@@ -88,6 +88,27 @@ def test_a_second_synchronizing_backward_all_reduces_every_bucket_again_and_its_
     assert torch.equal(ps[0].grad, torch.full((8,), 2.0)) and torch.equal(ps[1].grad, torch.full((8,), 3.0))
 
 
+def test_in_place_buffers_go_out_in_the_order_handed_over_whenever_their_group_all_reduce_ends():
+    """DDP's buckets in a group of several ranks: each one's own all-reduce may end on any of the group's
+    threads, in any order; the cross-group all-reduces still go out in bucket order."""
+    ps = params_of((3,), (2,), (4,))
+    issue = Recorder()
+    buckets = GradientBuckets()
+    buckets.bind(ps, issue)
+    buckets.start_step()
+    groups = [torch.futures.Future() for _ in ps]
+    buffers = [torch.full((p.numel(),), float(i)) for i, p in enumerate(ps)]
+    dones = [buckets.reduce(buffers[i], [ps[i]], after=groups[i]) for i in range(3)]
+    groups[2].set_result([buffers[2]])
+    groups[0].set_result([buffers[0]])
+    assert issue.sizes == [3] and dones[0].done() and not dones[2].done()
+    groups[1].set_result([buffers[1]])
+    assert issue.sizes == [3, 2, 4] and all(d.done() for d in dones)
+    assert buckets.finish() and buckets.overlapped == 3
+    # No DDP wrote .grad here (as for a parameter no rank of the group used): each takes its bucket's average.
+    assert all(torch.equal(p.grad, torch.full((p.numel(),), float(i))) for i, p in enumerate(ps))
+
+
 def test_a_failed_bucket_leaves_the_gradients_as_they_were():
     ps = params_of((4,), (4,))
     buckets = GradientBuckets(cap_mb=4 * 4 / MB)
@@ -118,7 +139,7 @@ def solo_group():
         dist.destroy_process_group()
 
 
-def test_ddp_hands_over_each_gradient_of_a_synchronizing_backward_once_and_none_inside_no_sync(solo_group):
+def test_ddp_hands_each_bucket_over_in_place_once_per_synchronizing_backward_and_none_inside_no_sync(solo_group):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from orchestrator.parallel.ddp import DDPStrategy
@@ -126,11 +147,16 @@ def test_ddp_hands_over_each_gradient_of_a_synchronizing_backward_once_and_none_
     from orchestrator.runtime.models import BertMLM
     from orchestrator.runtime.timing import StepTimer
 
-    handed: list[tuple[nn.Parameter, torch.Tensor]] = []
+    handed: list[tuple[list[nn.Parameter], torch.Tensor]] = []
 
     class Handoff:
-        def ready(self, param, grad):
-            handed.append((param, grad.clone()))
+        def reduce(self, buffer, params, after=None):
+            assert after is None, "a group of one rank: nothing to all-reduce in the group first"
+            handed.append((params, buffer.clone()))
+            buffer.mul_(2)  # "averaged" in place: DDP must write this into .grad
+            fut = torch.futures.Future()
+            fut.set_result(buffer)
+            return fut
 
     torch.manual_seed(0)
     model = BertMLM(500, 32, 2, 4, 64, 8)
@@ -139,9 +165,10 @@ def test_ddp_hands_over_each_gradient_of_a_synchronizing_backward_once_and_none_
     ctx = DistContext(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, restart_count=0)
     timer = StepTimer()
     ddp = DDPStrategy(None).wrap(model, ctx, torch.device("cpu"), timer=timer, handoff=Handoff())
-    assert isinstance(ddp, DDP)
+    assert isinstance(ddp, DDP) and ddp.find_unused_parameters, "fixed buckets: the same in every group"
     x = torch.randint(0, 500, (4, 8))
-    for _ in range(3):  # DDP rebuilds its buckets after the first iteration: the handoff does not care
+    layouts = []
+    for _ in range(3):  # DDP would rebuild its buckets after the first iteration: here it keeps them
         handed.clear()
         with ddp.no_sync():
             ddp(x, x).backward()
@@ -149,11 +176,18 @@ def test_ddp_hands_over_each_gradient_of_a_synchronizing_backward_once_and_none_
         ddp(x, x).backward()
         reference(x, x).backward()
         reference(x, x).backward()
-        assert len(handed) == len(list(model.parameters())) == len({id(p) for p, _ in handed})
+        layouts.append([[id(p) for p in params] for params, _ in handed])
+        assert sorted(id(p) for params, _ in handed for p in params) == sorted(id(p) for p in model.parameters())
         expected = {id(p): rp.grad for p, rp in zip(model.parameters(), reference.parameters())}
-        assert all(torch.equal(g, expected[id(p)].reshape(-1)) for p, g in handed)
+        for params, buffer in handed:
+            offset = 0
+            for p in params:
+                assert torch.equal(buffer[offset:offset + p.numel()], expected[id(p)].reshape(-1))
+                assert torch.equal(p.grad, 2 * expected[id(p)]), "DDP wrote the handoff's result"
+                offset += p.numel()
         for p in [*model.parameters(), *reference.parameters()]:
             p.grad = None
+    assert layouts[0] == layouts[1] == layouts[2]
     assert timer.window(3)["comm_inflight_s"] >= 0  # the timer still times the bucket hook
 
 
@@ -192,8 +226,10 @@ def _two_groups(rank: int, world: int, store_path: str, results: str) -> None:
     def issue(buffer):
         return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: buffer.div_(world))
 
-    buckets = GradientBuckets(cap_mb=0.1)  # ~ a bucket per layer: many go out during the backward pass
+    buckets = GradientBuckets(cap_mb=0.1)
     buckets.bind(ps, issue)
+    # As orch's DDP strategy makes it under per_step (fixed buckets), ~ a bucket per layer: many go out during
+    # the backward pass, in place.
     ddp = DDP(model, process_group=own, find_unused_parameters=True, bucket_cap_mb=0.05)
     ddp.register_comm_hook(own, handing_hook(buckets))
     g = torch.Generator().manual_seed(100 + rank)  # each group its own data
@@ -213,11 +249,34 @@ def _two_groups(rank: int, world: int, store_path: str, results: str) -> None:
         flat /= world
         ours = torch.cat([p.grad.reshape(-1) for p in ps])
         report.append({"equal": bool(torch.equal(ours, flat)), "overlapped": buckets.overlapped,
-                       "buckets": len(buckets.layout.buckets), "rounds": buckets.rounds,
+                       "buckets": len(buckets._inplace), "rounds": buckets.rounds,
                        "spare_nonzero": bool(ps[-1].grad.abs().sum() > 0)})
         for p in [*ps, *reference.parameters()]:
             p.grad = None
-    torch.save(report, f"{results}.{rank}")
+    # The same without DDP, as FSDP2 hands gradients over (one by one, copied into fixed buckets): the hooks
+    # hand over only in the backward pass that synchronizes.
+    syncing = {"on": False}
+    for p in ps:
+        p.register_post_accumulate_grad_hook(lambda p: buckets.ready(p, p.grad) if syncing["on"] else None)
+    copied = []
+    for step in range(2):
+        buckets.start_step()
+        batches = [torch.randint(0, 2000, (2, 16), generator=g) for _ in range(2)]
+        (model(batches[0], batches[0]) / 2).backward()
+        syncing["on"] = True
+        (model(batches[1], batches[1]) / 2).backward()
+        syncing["on"] = False
+        grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in ps]
+        assert buckets.finish()
+        flat = torch.cat([t.reshape(-1) for t in grads])
+        dist.all_reduce(flat)
+        flat /= world
+        copied.append({"equal": bool(torch.equal(torch.cat([p.grad.reshape(-1) for p in ps]), flat)),
+                       "overlapped": buckets.overlapped, "buckets": len(buckets.layout.buckets),
+                       "rounds": buckets.rounds})
+        for p in ps:
+            p.grad = None
+    torch.save({"ddp": report, "copied": copied}, f"{results}.{rank}")
     dist.destroy_process_group()
 
 
@@ -230,11 +289,17 @@ def test_bucketed_average_is_the_flat_all_reduce_bit_for_bit_on_two_gloo_process
     mp.start_processes(_two_groups, args=(2, str(tmp_path / "store"), results), nprocs=2, join=True,
                        start_method="spawn")
     for rank in range(2):
-        report = torch.load(f"{results}.{rank}")
+        both = torch.load(f"{results}.{rank}")
+        report, copied = both["ddp"], both["copied"]
         assert [r["equal"] for r in report] == [True] * 3, report
-        assert all(r["rounds"] == 1 for r in report), "no_sync: one round of all-reduces per step"
-        assert all(0 < r["overlapped"] <= r["buckets"] and r["buckets"] > 3 for r in report), \
-            "buckets went out during the backward pass"
+        assert [r["equal"] for r in copied] == [True] * 2, copied
+        # Rank 0 hands every gradient over during the backward pass, so every bucket went out then; rank 1
+        # never uses the spare layer, whose gradient would complete the first bucket: its buckets wait for the
+        # sync (strictly in order), and the averages are the same.
+        assert all(r["rounds"] == 1 for r in copied), copied
+        assert [r["overlapped"] for r in copied] == ([copied[0]["buckets"]] * 2 if rank == 0 else [0, 0]), copied
+        assert all(r["buckets"] == report[0]["buckets"] > 3 for r in report), "no_sync: DDP's buckets once a step"
+        assert all(r["overlapped"] == r["buckets"] for r in report), "each went out during the backward pass"
         assert all(r["spare_nonzero"] for r in report), "a parameter unused in one group takes the others' average"
 
 

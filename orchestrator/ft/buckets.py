@@ -1,25 +1,29 @@
-"""per_step's cross-group gradient averaging, bucketed so that it overlaps the backward pass.
+"""per_step's cross-group gradient averaging, started while the backward pass runs.
 
 Each rank averages its gradients (its shards under FSDP2) with the same rank of every other replica group of
-the quorum. Instead of one flat all-reduce after the backward pass, the gradients go into fixed buckets of
-about DDP's size (``ddp.bucket_cap_mb``) and each bucket's all-reduce starts as soon as its last gradient is
-final within the group: the parallelism strategy hands each one over (:meth:`GradientBuckets.ready`, from
-DDP's comm hook after the group's own all-reduce of a DDP bucket, or from FSDP2's post-accumulate-grad hook
-after its reduce-scatter), so the all-reduces run on the process group's threads while autograd computes the
-rest. :meth:`GradientBuckets.finish` (before the optimizer step or a grad scaler's unscale) hands over what is
-left, waits for every bucket and writes the averages into ``.grad``.
+the quorum. Instead of one flat all-reduce after the backward pass, the parallelism strategy hands the
+gradients over as soon as the group's own reduction made them final, and their all-reduces run on the process
+group's threads while autograd computes the rest. Two ways in:
 
-Why the numbers equal the flat all-reduce's: a bucket is a fixed slice of the same parameters in every group
-(the layout comes from the parameter order alone, never from the order gradients happened to arrive in, which
-DDP's rebuilt buckets or a healing group's first step could change), each element is summed over the same
-groups and divided by the same participant count, and an unused parameter (no gradient) contributes zeros and
-takes the others' average, as before. Buckets are issued strictly in index order, so every group issues the
-same collectives in the same order whichever thread finds a bucket full. A backward pass that synchronizes
-twice in one step (no ``no_sync``) starts a second round that all-reduces every bucket again; the last round's
-averages are the ones kept.
+- :meth:`GradientBuckets.reduce`, from DDP's comm hook: a DDP bucket's flat buffer is all-reduced in place,
+  with no copy (DDP then writes it into ``.grad`` as usual). Under per_step DDP never rebuilds its buckets
+  (``find_unused_parameters``, see :mod:`orchestrator.parallel.ddp`), so bucket *i* holds the same parameters in
+  every group, a healing group's first step included.
+- :meth:`GradientBuckets.ready`, from FSDP2's post-accumulate-grad hook: each gradient shard is copied into
+  fixed buckets of about DDP's size (``ddp.bucket_cap_mb``; the layout comes from the parameter order alone)
+  and a bucket is all-reduced as soon as its last gradient arrived.
 
-A collective that fails makes the step discarded (the Manager's ``report_error``: ``should_commit`` says no)
-and the process group is aborted at once, from the moment the failure is known, not when the step waits for it.
+Either way buckets are issued strictly in order (DDP's, or the layout's), so every group issues the same
+collectives in the same order whichever thread finds one ready. :meth:`GradientBuckets.finish` (before the
+optimizer steps or a grad scaler unscales) all-reduces whatever nobody handed over (a module orch did not wrap:
+all of it, after the backward pass, as per_step always did), waits for everything and leaves the averages in
+``.grad``. An unused parameter (no gradient) contributes zeros and takes the others' average. The numbers are
+the flat all-reduce's: each element summed over the same groups, divided by the same participant count
+(tests/test_ft_buckets.py compares them bit for bit). A backward pass that synchronizes twice in one step (no
+``no_sync``) all-reduces every bucket again; the last round's averages are the ones kept.
+
+A collective that fails makes the step discarded (the issuer reports it: ``should_commit`` says no) and the
+process group is aborted at once, from the moment the failure is known, not when the step waits for it.
 """
 
 from __future__ import annotations
@@ -76,35 +80,54 @@ class BucketLayout:
 
 
 Issue = Callable[[torch.Tensor], Optional[torch.futures.Future]]
-"""Starts the cross-group all-reduce (a sum) of a bucket's buffer; returns a future that completes, never with an
-error, once it is done (None: nothing to wait for, e.g. after an earlier failure)."""
+"""Starts the cross-group average of a flat buffer, in place; returns a future that completes, never with an
+error, with the buffer once it is done, or with None if it failed (None instead of a future: not started, e.g.
+after an earlier failure)."""
+
+
+@dataclass
+class _InPlace:
+    """A buffer handed to :meth:`GradientBuckets.reduce`: averaged in place once it arrived and its predecessors
+    are issued; ``done`` completes with the buffer (what DDP waits for), ``result`` with None on failure."""
+
+    buffer: torch.Tensor
+    params: list[torch.Tensor]
+    done: torch.futures.Future
+    arrived: bool = False
+    error: Optional[BaseException] = None  # the group's own all-reduce of it failed
+    result: Optional[torch.futures.Future] = None
 
 
 class GradientBuckets:
-    """One rank's buckets, reused every step. ``cap_mb``: the bucket size. Unbound (every method a no-op, and
-    :meth:`finish` reporting nothing) until :meth:`bind` gives it the parameters and the collective.
+    """One rank's cross-group averaging, reused every step (the strategy's ``handoff``). ``cap_mb``: the size
+    of the buckets gradients are copied into. Unbound (nothing is averaged, :meth:`finish` reports nothing
+    wrong) until :meth:`bind` gives it the parameters and the collective.
 
-    The strategy calls :meth:`ready` (any thread); the step protocol calls :meth:`start_step`, then
-    :meth:`finish` once the backward passes are done."""
+    The strategy calls :meth:`reduce` or :meth:`ready` (from any thread); the step protocol calls
+    :meth:`start_step`, then :meth:`finish` once the backward passes are done."""
 
     def __init__(self, cap_mb: float = 25.0):
         self.cap_bytes = max(1, int(cap_mb * MB))
-        self.layout: Optional[BucketLayout] = None
+        self.layout: Optional[BucketLayout] = None  # every parameter, for gradients handed over one by one
         self._issue: Optional[Issue] = None
         self._lock = threading.Lock()
         self._active = False
+        self._rest: dict[tuple[int, ...], BucketLayout] = {}  # what in-place buckets left out, by their params
         self._filled: list[list[bool]] = []
         self._missing: list[int] = []
-        self._next = 0  # the next bucket to issue (they go strictly in order)
-        self._futures: list[torch.futures.Future] = []  # this round's, in issue order
-        self.rounds = 0  # rounds this step (a round: every bucket all-reduced once)
-        self.overlapped = 0  # buckets issued by ready() this step, before finish() (the overlapped ones)
+        self._next = 0  # the next copied bucket to issue (they go strictly in order)
+        self._futures: list[torch.futures.Future] = []  # this round's copied buckets', in issue order
+        self._inplace: list[_InPlace] = []  # this step's in-place buffers, in the order handed over
+        self._next_inplace = 0
+        self.rounds = 0  # rounds of copied buckets this step (a round: every bucket all-reduced once)
+        self.overlapped = 0  # buckets issued before finish() this step (during the backward pass)
 
     def bind(self, params: list[torch.Tensor], issue: Issue) -> None:
         """The parameters whose gradients are averaged (every group passes the same list, in the same order) and
-        the collective that sums a buffer over the groups."""
+        the collective that averages a buffer over the groups."""
         with self._lock:
             self.layout = BucketLayout.of(params, self.cap_bytes)
+            self._rest.clear()
             self._issue = issue
 
     @property
@@ -113,21 +136,31 @@ class GradientBuckets:
 
     # -- a step --------------------------------------------------------------------------------------------
     def start_step(self) -> None:
-        """A new step: no gradient handed over yet. (A previous step's all-reduces were waited for by its
+        """A new step: nothing handed over yet. (A previous step's all-reduces were waited for by its
         :meth:`finish`; one abandoned without it is dropped: its process group is reconfigured or aborted.)"""
         with self._lock:
             self._active = self.layout is not None
             self.rounds = self.overlapped = 0
-            self._new_round()
+            self._inplace, self._next_inplace = [], 0
+            self._new_round(self.layout)
 
-    def _new_round(self) -> None:
-        layout = self.layout
-        if layout is None:
-            return
-        self._filled = [[False] * len(b.params) for b in layout.buckets]
-        self._missing = [len(b.params) for b in layout.buckets]
-        self._next = 0
-        self._futures = []
+    def reduce(self, buffer: torch.Tensor, params: list[torch.Tensor],
+               after: Optional[torch.futures.Future] = None) -> torch.futures.Future:
+        """Average ``buffer`` (the flat gradients of ``params``, in order: a DDP bucket) over the groups, in
+        place, once ``after`` (the group's own all-reduce of it, if any) completed and every buffer handed over
+        before it is issued. Returns a future that completes with ``buffer`` when it is averaged (never with
+        the collective's error: a failure is reported and the step discarded)."""
+        done: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            if not self._active:  # outside a step: nothing to average (the group's own result as it is)
+                return after.then(lambda f: f.value()) if after is not None else _done(buffer)
+            index = len(self._inplace)
+            self._inplace.append(_InPlace(buffer, list(params), done))
+        if after is None or after.done():
+            self._arrived(index, after)
+        else:
+            after.add_done_callback(lambda fut: self._arrived(index, fut))
+        return done
 
     def ready(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """``param``'s gradient for this step, final within the group (``grad``: its local shard, or a view of
@@ -144,44 +177,113 @@ class GradientBuckets:
             if not self._active:
                 return
             if self._filled[b][i]:
-                self._complete_round()
-                self._wait_round()
-                self._new_round()
-            self._copy_in(b, i, grad)
+                self._complete_round(self.layout)
+                for fut in self._futures:
+                    fut.wait()  # before the buffers are written again
+                self._new_round(self.layout)
+            self._copy_in(self.layout, b, i, grad)
             while self._next < len(self._missing) and self._missing[self._next] == 0:
-                self._issue_next()
+                self._issue_next(self.layout)
                 self.overlapped += 1
 
     def finish(self) -> bool:
-        """Hand over every gradient not handed over yet (``.grad`` as it is; zeros where there is none), issue
-        the buckets left, wait for all of them and write the averages into every parameter's ``.grad`` (one is
-        made where there was none). Returns False if a collective failed (the gradients are then left as
-        they were: the step is discarded); True without a binding (nothing to average)."""
+        """Average what nobody handed over (``.grad`` as it is; zeros where there is none), wait for every
+        all-reduce of the step and leave the averages in ``.grad`` (one is made where there was none). Returns
+        False if a collective failed (the gradients are then not to be used: the step is discarded); True
+        without a binding (nothing to average)."""
         with self._lock:
             if not self._active or self.layout is None:
                 return True
-            self._complete_round()
             self._active = False
+            inplace = self._inplace
+            # In-place buckets cover their parameters; the copied ones take the rest (every parameter if none).
+            layout = self._left_out(inplace) if inplace else self.layout
+            if layout is not self.layout:
+                self._new_round(layout)
+            self._complete_round(layout)
             futures = self._futures
+        for entry in inplace:
+            entry.done.wait()
         for fut in futures:
-            fut.wait()  # completes normally; a failure was reported to the issue's owner
-        ok = all(f.value() is not None for f in futures) and len(futures) == len(self.layout.buckets)
+            fut.wait()  # completes normally; a failure was reported by the issuer
+        ok = all(e.result is not None and e.result.value() is not None for e in inplace) and \
+            all(f.value() is not None for f in futures) and len(futures) == len(layout.buckets)
         if ok:
-            self._copy_out()
+            self._copy_out(layout)
+            self._unused_in_place(inplace)
         return ok
 
-    # -- inside the lock -----------------------------------------------------------------------------------
-    def _buffer(self, b: int) -> torch.Tensor:
-        bucket = self.layout.buckets[b]
+    # -- in place ------------------------------------------------------------------------------------------
+    def _arrived(self, index: int, after: Optional[torch.futures.Future]) -> None:
+        """Buffer ``index``'s own group all-reduce is done: issue it, and every later one that arrived, in order.
+        If that all-reduce failed, the group itself is broken: DDP gets the error (its backward pass raises)."""
+        error: Optional[BaseException] = None
+        if after is not None:
+            try:
+                after.value()
+            except Exception as e:  # noqa: BLE001 - handed to DDP as it is
+                error = e
+        with self._lock:
+            self._inplace[index].arrived, self._inplace[index].error = True, error
+            while self._next_inplace < len(self._inplace) and self._inplace[self._next_inplace].arrived:
+                entry = self._inplace[self._next_inplace]
+                self._next_inplace += 1
+                if entry.error is not None:
+                    entry.result = _done(None)
+                    entry.done.set_exception(entry.error)
+                    continue
+                result = self._issue(entry.buffer) if self._issue is not None else None
+                entry.result = result if result is not None else _done(None)
+                entry.result.add_done_callback(lambda _, e=entry: e.done.set_result(e.buffer))
+                if self._active:
+                    self.overlapped += 1
+
+    def _left_out(self, inplace: list[_InPlace]) -> BucketLayout:
+        """The registered parameters no in-place buffer covered, as a layout of their own (the same in every
+        group: the strategy covers the same parameters everywhere)."""
+        covered = {id(p) for e in inplace for p in e.params}
+        params = [p for b in self.layout.buckets[::-1] for p in b.params[::-1] if id(p) not in covered]
+        key = tuple(id(p) for p in params)
+        if key not in self._rest:
+            self._rest[key] = BucketLayout.of(params, self.cap_bytes)
+        return self._rest[key]
+
+    @staticmethod
+    def _unused_in_place(inplace: list[_InPlace]) -> None:
+        """DDP leaves ``.grad`` unset for a parameter no rank of the group used, but the other groups may have:
+        it takes the average its bucket got (the last round's, where one was handed over twice)."""
+        last: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        for entry in inplace:
+            offset = 0
+            for p in entry.params:
+                last[id(p)] = (p, entry.buffer, offset)
+                offset += p.numel()
+        with torch.no_grad():
+            for p, buffer, offset in last.values():
+                if p.grad is None:
+                    p.grad = buffer[offset:offset + p.numel()].view_as(p).clone()
+
+    # -- copied, inside the lock ---------------------------------------------------------------------------
+    def _new_round(self, layout: Optional[BucketLayout]) -> None:
+        if layout is None:
+            return
+        self._filled = [[False] * len(b.params) for b in layout.buckets]
+        self._missing = [len(b.params) for b in layout.buckets]
+        self._next = 0
+        self._futures = []
+
+    @staticmethod
+    def _buffer(layout: BucketLayout, b: int) -> torch.Tensor:
+        bucket = layout.buckets[b]
         if bucket.buffer is None:
             bucket.buffer = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
         return bucket.buffer
 
-    def _copy_in(self, b: int, i: int, grad: Optional[torch.Tensor]) -> None:
-        bucket = self.layout.buckets[b]
+    def _copy_in(self, layout: BucketLayout, b: int, i: int, grad: Optional[torch.Tensor]) -> None:
+        bucket = layout.buckets[b]
         p, offset = bucket.params[i], bucket.offsets[i]
         n = local(p).numel()
-        dst = self._buffer(b)[offset:offset + n]
+        dst = self._buffer(layout, b)[offset:offset + n]
         with torch.no_grad():
             if grad is None:
                 dst.zero_()  # unused this step: it still takes the others' average
@@ -190,28 +292,25 @@ class GradientBuckets:
         self._filled[b][i] = True
         self._missing[b] -= 1
 
-    def _complete_round(self) -> None:
+    def _complete_round(self, layout: BucketLayout) -> None:
         """Fill every slot not handed over from ``.grad`` and issue every bucket left, in order."""
         for b, filled in enumerate(self._filled):
             for i, done in enumerate(filled):
                 if not done:
-                    self._copy_in(b, i, self.layout.buckets[b].params[i].grad)
+                    self._copy_in(layout, b, i, layout.buckets[b].params[i].grad)
         while self._next < len(self._missing):
-            self._issue_next()
+            self._issue_next(layout)
         self.rounds += 1
 
-    def _issue_next(self) -> None:
-        fut = self._issue(self._buffer(self._next)) if self._issue is not None else None
+    def _issue_next(self, layout: BucketLayout) -> None:
+        fut = self._issue(self._buffer(layout, self._next)) if self._issue is not None else None
         self._futures.append(fut if fut is not None else _done(None))
         self._next += 1
 
-    def _wait_round(self) -> None:
-        for fut in self._futures:
-            fut.wait()  # before the buffers are written again
-
-    def _copy_out(self) -> None:
+    @staticmethod
+    def _copy_out(layout: BucketLayout) -> None:
         with torch.no_grad():
-            for bucket in self.layout.buckets:
+            for bucket in layout.buckets:
                 for p, offset in zip(bucket.params, bucket.offsets):
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)

@@ -26,12 +26,20 @@ from orchestrator.runtime.state import unwrap
 
 
 class GradientHandoff(Protocol):
-    """Takes each parameter's gradient once it is final within the process group (reduced over its ranks), in a
-    backward pass that synchronizes gradients (never inside ``no_sync``)."""
+    """Takes gradients once they are final within the process group (reduced over its ranks), in a backward pass
+    that synchronizes gradients (never inside ``no_sync``), one way or the other. Called from the thread that
+    finished them (autograd's, or a collective's)."""
+
+    def reduce(self, buffer: torch.Tensor, params: list[torch.Tensor],
+               after: Optional["torch.futures.Future"] = None) -> "torch.futures.Future":
+        """``buffer``: the flat gradients of ``params`` in that order (a bucket whose parameters are the same in
+        every replica of the model), final once ``after`` (the group's own all-reduce of it) completes: it is
+        averaged in place; the future completes with ``buffer`` then. Buffers are handed over in the same order
+        on every rank of the job."""
 
     def ready(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """``grad``: ``param``'s gradient (or its local shard, or a view of either), which the strategy may reuse
-        once this returns. Called from the thread that finished it (autograd's, or a collective's)."""
+        once this returns."""
 
 
 class Strategy:

@@ -1,6 +1,11 @@
 """``parallelism.strategy=ddp``: every rank holds the whole model; DistributedDataParallel all-reduces the
-gradients during the backward pass, with the ``ddp`` group's flags. With a gradient handoff (per_step), DDP's
-comm hook hands each bucket's gradients over as soon as the group's all-reduce of that bucket is done."""
+gradients during the backward pass, with the ``ddp`` group's flags.
+
+With a gradient handoff (per_step), DDP's comm hook hands each bucket over, in place, as soon as the group's own
+all-reduce of it is done, and DDP waits for the handoff's average before it writes ``.grad``. DDP then runs with
+``find_unused_parameters=True``, as torchft's DDP does: that is what keeps DDP from rebuilding its buckets in
+the order the first backward pass produced gradients, so bucket *i* holds the same parameters in every replica
+group, one that joins late included (torch warns once that none was unused)."""
 
 from __future__ import annotations
 
@@ -38,7 +43,10 @@ class DDPStrategy(Strategy):
     def wrap(self, model: nn.Module, ctx: DistContext, device: torch.device, *, timer: Any = None,
              handoff: Optional[GradientHandoff] = None) -> nn.Module:
         d = self.cfg.ddp if self.cfg is not None else DDPConfig()
-        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs(d))
+        kwargs = ddp_kwargs(d)
+        if handoff is not None:
+            kwargs["find_unused_parameters"] = True  # the same buckets in every group, at every step
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **kwargs)
         hook = handing_hook(handoff) if handoff is not None else None
         if timer is not None:
             timer.register(ddp, hook)
@@ -54,28 +62,13 @@ class DDPStrategy(Strategy):
 
 def handing_hook(handoff: GradientHandoff) -> Callable:
     """A DDP comm hook: torch's default all-reduce of the bucket over the group (skipped in a group of one rank:
-    averaging over one rank changes nothing), then each of its parameters' gradients handed to ``handoff``,
-    from the thread that finished the all-reduce, before DDP copies the bucket into ``.grad``. DDP calls a comm
-    hook only in backward passes that synchronize (not inside ``no_sync``)."""
+    averaging over one rank changes nothing), then the bucket handed over in place; DDP copies it into ``.grad``
+    once the handoff's future completes. DDP calls a comm hook in bucket order, and only in backward passes
+    that synchronize (not inside ``no_sync``)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     def hook(process_group, bucket):  # no annotations: DDP rejects the string ones of this module
-        if dist.get_world_size(process_group) > 1:
-            reduced = allreduce_hook(process_group, bucket)
-        else:
-            reduced = torch.futures.Future()
-            reduced.set_result(bucket.buffer())
-        params = bucket.parameters()
-
-        def hand(fut: "torch.futures.Future[torch.Tensor]") -> torch.Tensor:
-            buffer = fut.value()
-            offset = 0
-            for p in params:  # the bucket's flat buffer holds its parameters' gradients in this order
-                n = p.numel()
-                handoff.ready(p, buffer[offset:offset + n])
-                offset += n
-            return buffer
-
-        return reduced.then(hand)
+        grouped = allreduce_hook(process_group, bucket) if dist.get_world_size(process_group) > 1 else None
+        return handoff.reduce(bucket.buffer(), bucket.parameters(), after=grouped)
 
     return hook
