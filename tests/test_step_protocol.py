@@ -161,3 +161,47 @@ def test_a_checkpoint_keeps_its_payloads(tmp_path: Path):
     assert sorted(loaded.state) == ["model", "rng", "trainer"]
     assert loaded.state["trainer"] == {"step": 1, "samples_consumed": 0, "epoch": 0, "world_size": 1}
     assert len(loaded.state["rng"]["per_rank"]) == 1
+
+
+@pytest.mark.skipif(torchft_problem() is not None, reason=str(torchft_problem()))
+def test_a_discarded_step_puts_back_the_learning_rate_its_scheduler_set():
+    """A training loop that steps its scheduler whatever the commit said (the built-in trainer, most scripts): the
+    discarded step's scheduler.step() set the next step's learning rate in the optimizer; the step goes back to
+    where it began, so the redone step trains at its own rate, and a chained schedule (CosineAnnealingLR's
+    recursive form) is on the same curve afterwards as a run without the discard."""
+    import warnings
+    from types import SimpleNamespace
+
+    from orchestrator.ft.replica import ReplicaGroup, wrap_for_commit
+
+    def run(discard: bool) -> tuple[list[float], torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        state = TrainingState(Progress())
+        state.register({"model": model, "optimizer": optimizer})
+        fake = SimpleNamespace(state=state, device=torch.device("cpu"), attempts=0)
+        fake.commit = lambda: not (discard and fake.attempts == 3)
+        wrap_for_commit(state, fake)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the commit wrapper keeps torch's marks: no "step() was overridden"
+            scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
+        state.register({"scheduler": scheduler})
+        lrs = []
+        while fake.attempts < (7 if discard else 6):
+            fake.attempts += 1
+            fake._snapshot = ReplicaGroup._take_snapshot(fake)
+            lrs.append(optimizer.param_groups[0]["lr"])
+            optimizer.zero_grad()
+            model(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+            scheduler.step()
+            if not fake.commit():
+                ReplicaGroup._restore_snapshot(fake)
+        return lrs, model.weight.detach().clone()
+
+    plain_lrs, plain_weight = run(discard=False)
+    lrs, weight = run(discard=True)
+    assert lrs[3] == lrs[2] == plain_lrs[2], "the redone step trains at its own rate"
+    assert lrs[:3] + lrs[4:] == plain_lrs
+    torch.testing.assert_close(weight, plain_weight, rtol=0, atol=0)

@@ -23,9 +23,11 @@ it: the sender's RNG state, its metrics window, its quorum seconds so far and wh
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
+import types
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
@@ -471,12 +473,16 @@ class ReplicaGroup(_ReplicaRecords):
     # -- a discarded step leaves nothing behind ----------------------------------------------------------------
     def _take_snapshot(self) -> dict[str, Any]:
         """What a step changes besides parameters and optimizer state (which only a committed step changes):
-        schedulers, scalers and other small states, module buffers (batch-norm statistics), RNG states."""
-        snap: dict[str, Any] = {"rng": rng_state(self.device), "buffers": {}, "states": {}}
+        schedulers, scalers and other small states, module buffers (batch-norm statistics), RNG states, and
+        the optimizers' hyperparameters per parameter group (a scheduler stepped on a discarded step has set the
+        next step's learning rate there; restoring only the scheduler's own state would leave it)."""
+        snap: dict[str, Any] = {"rng": rng_state(self.device), "buffers": {}, "states": {}, "groups": {}}
         for name, obj in self.state.components.items():
             if isinstance(obj, torch.nn.Module):
                 snap["buffers"][name] = [b.detach().clone() for b in obj.buffers()]
-            elif not isinstance(obj, torch.optim.Optimizer):
+            elif isinstance(obj, torch.optim.Optimizer):
+                snap["groups"][name] = [_copy({k: v for k, v in g.items() if k != "params"}) for g in obj.param_groups]
+            else:
                 snap["states"][name] = _copy(obj.state_dict())
         return snap
 
@@ -491,6 +497,12 @@ class ReplicaGroup(_ReplicaRecords):
                 obj.load_state_dict(_copy(snap["states"][name]))
             elif isinstance(obj, torch.optim.Optimizer):
                 obj.zero_grad(set_to_none=True)
+                for group, saved in zip(obj.param_groups, snap["groups"].get(name, [])):
+                    for key, value in saved.items():
+                        if isinstance(group.get(key), torch.Tensor) and isinstance(value, torch.Tensor):
+                            group[key].copy_(value)  # a tensor learning rate (capturable, compiled) stays the same object
+                        else:
+                            group[key] = _copy(value)
         set_rng_state(snap["rng"], self.device)
 
     def window_rolled(self) -> dict[str, float]:
@@ -527,12 +539,15 @@ def wrap_for_commit(state: TrainingState, group: ReplicaGroup) -> None:
         if isinstance(obj, torch.optim.Optimizer):
             original_step = obj.step
 
-            def step(*args: Any, _original: Callable = original_step, **kwargs: Any) -> Any:
+            @functools.wraps(original_step)  # keeps torch's marks on it (an LR scheduler's "step was overridden")
+            def step(_optimizer: Any, *args: Any, _original: Callable = original_step, **kwargs: Any) -> Any:
                 if group.commit():
                     return _original(*args, **kwargs)
                 return None
 
-            obj.step = step  # an instance attribute: torch's LR schedulers and GradScaler call it
+            # A bound method, as torch's LR schedulers expect to find (they wrap step's __func__), set on the
+            # instance: the schedulers and GradScaler call it.
+            obj.step = types.MethodType(step, obj)
         elif isinstance(obj, torch.amp.GradScaler):
             original_unscale = obj.unscale_
 
