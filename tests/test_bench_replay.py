@@ -86,12 +86,14 @@ def test_rows_from_timelines():
     quiet = RunResult(start, start + 32, timeline(start, [(2, 30, 1, 100)]))
     # A kill at t=12 (step 40 done at ~11.8): back at step 21 (a snapshot every 20) 10 s later, then a return.
     traced = RunResult(start, start + 60, timeline(start, [(2, 12, 1, 40), (22, 30, 21, 60), (35, 50, 61, 100)]),
-                       [{"t": start + 12.5, "kind": "kill", "node": 1}, {"t": start + 31, "kind": "return", "node": 1}])
+                       [{"t": start + 12.5, "kind": "kill", "node": 1}, {"t": start + 31, "kind": "return", "node": 1},
+                        {"t": start + 55, "kind": "kill", "node": 0}])  # after the last step: it reached nothing
     r = replay.row("torchrun", quiet, traced, max_steps=100)
     assert set(r) >= ROW_KEYS
     assert r["wall_s"] == 50.0 and r["wall_s_fault_free"] == 30.0 and r["time_to_train_ratio"] == 0.6
     assert r["lost_steps"] == 20 and r["steps_completed"] == 100 and r["events_applied"] == 2
     assert r["mttr_s"] == [9.5, 4.0]  # 12.5 -> 22 (from the event); 30 -> 35 counted from the return at 31
+    assert r["events"] == [{"t": 10.5, "kind": "kill", "node": 1}, {"t": 29.0, "kind": "return", "node": 1}]
 
 
 def test_unfinished_run_counts_its_open_stall_and_its_end():

@@ -176,8 +176,9 @@ class TorchrunRun:
         """Nothing between actions."""
 
     def done(self, player: TracePlayer) -> bool:
-        # No agent left: the job finished, or every machine is down and the trace brings none back.
-        return not self.machines.live() and (player.done() or any(s >= self.job.max_steps for _, s in self.steps()))
+        # The last step is done (an agent the trace brings back later would only find the final snapshot), or
+        # no agent is left and the trace brings none back.
+        return any(s >= self.job.max_steps for _, s in self.steps()) or (not self.machines.live() and player.done())
 
     def stop(self) -> None:
         self.machines.stop_all()
