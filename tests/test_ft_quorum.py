@@ -226,6 +226,13 @@ def test_torchfts_manager_through_orchs_client_and_a_real_gate():
             server.shutdown()
         with pytest.raises(QuorumError, match="left|registered"):
             client._quorum(0, 1, "m", False, timedelta(seconds=2), 0, "h0")
+        with pytest.raises(QuorumError, match="left|registered"):
+            client.should_commit(0, 1, True, timedelta(seconds=2))
+        # A group of one rank decides alone: no round trip (the service would refuse this one, gone).
+        mp.setenv("WORLD_SIZE", "1")
+        alone = ManagerClient(server.address(), timedelta(seconds=5))
+        assert alone.should_commit(0, 1, True, timedelta(seconds=2)) is True
+        assert alone.should_commit(0, 1, False, timedelta(seconds=2)) is False
     gate.close()
     svc.close()
 

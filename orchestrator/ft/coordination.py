@@ -146,6 +146,8 @@ class ManagerClient:
             raise QuorumError(f"not a replica group of orch's quorum service: {addr!r}")
         self.replica_id = addr[len(ADDRESS_PREFIX):]
         self._client = QuorumClient(connect_timeout_s=connect_timeout.total_seconds())
+        # The ranks of this worker's group (torchrun's world: one node's), as torchft's Manager counts them.
+        self._group_size = int(os.environ.get("WORLD_SIZE", "0"))
 
     def _quorum(self, group_rank: int, step: int, checkpoint_metadata: str, shrink_only: bool, timeout: timedelta,
                 commit_failures: int, reconfigure_handle: str, init_sync: bool = True) -> QuorumResult:
@@ -165,6 +167,11 @@ class ManagerClient:
                                  replica_id=self.replica_id, rank=rank)["metadata"]
 
     def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta) -> bool:
+        """The group's decision: every rank's vote, agreed through the service. A group of one rank has no one
+        to agree with, so its vote is its decision, without a round trip at every step (a group the service
+        dropped meanwhile is refused at its next quorum instead of here)."""
+        if self._group_size == 1:
+            return bool(should_commit)
         return bool(self._client.call("should_commit", timeout_s=timeout.total_seconds(), replica_id=self.replica_id,
                                       group_rank=group_rank, step=step, should_commit=should_commit)["should_commit"])
 
