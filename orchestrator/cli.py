@@ -154,11 +154,11 @@ def cmd_bench_overhead(args: argparse.Namespace) -> int:
     if args.mode == "per_step":
         from orchestrator.bench.overhead_modes import main_modes_overhead
 
-        main_modes_overhead(out=args.out, repeats=args.repeats, steps=args.steps, large_steps=args.large_steps)
+        main_modes_overhead(out=args.out, repeats=args.repeats, steps=args.steps or 300, large_steps=args.large_steps)
         return 0
     from orchestrator.bench.overhead import main_overhead_bench
 
-    main_overhead_bench(out=args.out, repeats=args.repeats, steps=args.steps, timing_steps=args.timing_steps)
+    main_overhead_bench(out=args.out, repeats=args.repeats, steps=args.steps or 150, timing_steps=args.timing_steps)
     return 0
 
 
@@ -317,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench_scaling)
     p = bench.add_parser("overhead", help="orch vs a plain torchrun script of the same DDP job; per-step timing cost")
     p.add_argument("--out", help="write {throughput_ratio, first_step_ratio, ...} as JSON to this file")
-    p.add_argument("--steps", type=int, default=150, help="training steps per run (default 150)")
+    p.add_argument("--steps", type=int, help="training steps per run (default 150; --mode per_step: 300)")
     p.add_argument("--repeats", type=int, default=4, help="runs of each, alternating (default 4)")
     p.add_argument("--timing-steps", type=int, default=300,
                    help="alternating steps with and without per-step timing (default 300)")
@@ -325,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per_step: fault_tolerance.mode=per_step against restart instead, fault-free, on cpu_elastic "
                         "and on its model at 54M parameters; the JSON has per_step_over_restart_throughput")
     p.add_argument("--large-steps", type=int, default=24,
-                   help="--mode per_step: training steps of each run of the 54M-parameter model (default 24)")
+                   help="--mode per_step: training steps of each run of the 54M-parameter model (3 runs per mode; "
+                        "default 24)")
     p.set_defaults(func=cmd_bench_overhead)
     p = bench.add_parser("goodput", help="goodput with a preempted node every T seconds vs. no preemption")
     p.add_argument("--out", help="write the result as JSON to this file")

@@ -26,7 +26,10 @@ def test_modes_alternate_and_the_ratio_is_per_steps_median_over_restarts(tmp_pat
     assert order[:6] == [("cpu_elastic", "restart"), ("cpu_elastic", "per_step"), ("cpu_elastic", "per_step"),
                          ("cpu_elastic", "restart"), ("cpu_elastic", "restart"), ("cpu_elastic", "per_step")]
     assert order[6:] == [("large", "restart"), ("large", "per_step"), ("large", "per_step"), ("large", "restart")]
-    assert result["per_step_over_restart_throughput"] == 99.0 / 100.0  # medians: 99 of (99, 97, 100), 100
+    # Pairs (run i of each mode, back to back): 99/100, 97/110, 100/90; their median is 0.99.
+    assert result["cpu_elastic"]["paired_ratios"] == [0.99, 97 / 110, 100 / 90]
+    assert result["per_step_over_restart_throughput"] == 0.99
+    assert result["cpu_elastic"]["ratio_of_medians"] == 99.0 / 100.0  # medians: 99 of (99, 97, 100), 100
     assert result["per_step_over_restart_throughput_large"] == 1.9 / 2.0
     assert result["model_params"]["large"] > 50_000_000 > result["model_params"]["cpu_elastic"]
     data = json.loads(out.read_text())
