@@ -92,6 +92,7 @@ def test_rows_from_timelines():
     assert set(r) >= ROW_KEYS
     assert r["wall_s"] == 50.0 and r["wall_s_fault_free"] == 30.0 and r["time_to_train_ratio"] == 0.6
     assert r["lost_steps"] == 20 and r["steps_completed"] == 100 and r["events_applied"] == 2
+    assert r["train_s"] == 48.0 and r["train_s_fault_free"] == 28.0
     assert r["mttr_s"] == [9.5, 4.0]  # 12.5 -> 22 (from the event); 30 -> 35 counted from the return at 31
     assert r["events"] == [{"t": 10.5, "kind": "kill", "node": 1}, {"t": 29.0, "kind": "return", "node": 1}]
 
