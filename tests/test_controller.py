@@ -5,6 +5,8 @@ are exercised end to end in test_launch_local.py, test_ray_launch.py and test_te
 
 from __future__ import annotations
 
+import json
+
 import signal
 from collections import Counter
 
@@ -240,6 +242,42 @@ def test_loss_then_recovery_then_growth(make_controller):
     pool.exit(0, 0)
     pool.exit(1, 0)
     assert c._step()[1].name == "finished" and c.state.status == RunStatus.SUCCEEDED
+
+
+def test_survivors_that_committed_before_the_loss_was_seen_are_recovered_and_the_job_grows(make_controller, tmp_path):
+    """per_step on a Ray cluster: the survivors' quorum drops the dead group (its heartbeats) and commits before
+    the controller learns the agent is gone, so no first step or quorum change follows the loss it notes. The
+    survivors' heartbeats show steps completed after it: recovered, and growth (node 1 again) goes ahead."""
+    c, pool, events, clock = make_controller(["cluster.nnodes=1:2", "fault_tolerance.mode=per_step"], machines(1, 1))
+    assert steps(c, 2) == ["scheduling", "running"] and len(pool.started) == 2
+    clock.advance(5)
+    events.emit("quorum_changed", step=40, replicas=1, previous=2, world_size=1)  # before the exit is seen
+    clock.advance(1.5)
+    pool.exit(1, -9)
+    assert steps(c, 2) == ["recovering", "recovering"] and len(pool.started) == 2
+    beats = tmp_path / "heartbeats"
+    beats.mkdir(exist_ok=True)
+    clock.advance(0.4)
+    (beats / "node0-rank0.json").write_text(json.dumps({"t": clock.time(), "pid": 1, "node": 0, "rank": 0,
+                                                        "step": 44, "step_t": clock.time() - 0.1}))
+    clock.advance(0.6)
+    assert steps(c, 2) == ["running", "running"]
+    recovered = events_named(events, "recovered")
+    assert len(recovered) == 1 and recovered[0]["step"] == 44 and recovered[0]["mttr_s"] == pytest.approx(0.3)
+    assert len(pool.started) == 3 and pool.started[-1].node == 1, "node 1's slot is filled again"
+
+
+def test_a_heartbeat_from_before_the_loss_is_no_recovery(make_controller, tmp_path):
+    c, pool, events, clock = make_controller(["cluster.nnodes=1:2"], machines(1, 1))
+    steps(c, 2)
+    beats = tmp_path / "heartbeats"
+    beats.mkdir(exist_ok=True)
+    (beats / "node0-rank0.json").write_text(json.dumps({"t": clock.time(), "pid": 1, "node": 0, "rank": 0,
+                                                        "step": 30, "step_t": clock.time()}))
+    clock.advance(2)
+    pool.exit(1, -9)
+    clock.advance(5)
+    assert steps(c, 3) == ["recovering"] * 3 and not events_named(events, "recovered")
 
 
 def test_a_lost_agent_is_evicted_from_the_rendezvous_and_a_reopened_round_is_recorded(make_controller):

@@ -2,21 +2,25 @@
 
 Workers write events (``training_finished``, ``first_step``, ``preemption_notice``, ``worker_failed``, ...);
 the controller reads them here, through :meth:`WorkerView.update`, as the typed events of orchestrator/events.py
-(:func:`~orchestrator.events.parse`), and never handles a raw record itself.
+(:func:`~orchestrator.events.parse`), and never handles a raw record itself. Their heartbeats (each worker's
+latest completed step and its time) say the job trains when no event does: see :meth:`first_step_since`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from orchestrator.events import FirstStep as FirstStepEvent
 from orchestrator.events import (ChaosKill, LeaseLost, PreemptionNotice, QuorumChanged, TrainingFinished, WorkerFailed,
                                  parse)
-from orchestrator.rundir import EventLog
+from orchestrator.controller.hang_policy import read_beats
+from orchestrator.rundir import HEARTBEATS_DIR, EventLog
 
 KEEP_STEPS = 10
 KEEP_FAILURES = 64
+BEATS_EVERY_S = 0.5  # how often first_step_since reads the heartbeats while no event answers it
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,8 @@ class WorkerView:
 
     def __init__(self, events: EventLog, monotonic: Callable[[], float]):
         self._tail, self._monotonic = events.tail(), monotonic
+        self._beats_dir = Path(events.path).parent / HEARTBEATS_DIR
+        self._beats_read_at = -1e9
         self.training_finished: Optional[float] = None
         """Monotonic time ``training_finished`` was first seen."""
         self.lease_lost: Optional[str] = None
@@ -77,7 +83,20 @@ class WorkerView:
         return losses
 
     def first_step_since(self, t: float) -> Optional[FirstStep]:
-        return next((s for s in self.first_steps if s.t >= t), None)
+        """The first step completed at or after ``t``: an attempt's ``first_step`` or a new quorum's, else (read
+        at most every BEATS_EVERY_S) the earliest step completion at or after ``t`` that a worker's heartbeat
+        shows, to within a heartbeat. The job may go on without either event: per_step's survivors commit
+        their first step without the lost group before the controller sees its agent go (a Ray node's death is
+        known a second or two late), and a node lost before it joined any round (a restart mode scale-up) cut
+        no survivor's training short. A step needs every rank of its round, so none completes after a loss
+        in a round the lost node was in: a step completed after it is the job training again."""
+        event = next((s for s in self.first_steps if s.t >= t), None)
+        if event is not None or self._monotonic() - self._beats_read_at < BEATS_EVERY_S:
+            return event
+        self._beats_read_at = self._monotonic()
+        after = [b for b in read_beats(self._beats_dir) if b.step_t is not None and b.step_t >= t]
+        first = min(after, key=lambda b: b.step_t, default=None)
+        return FirstStep(first.step_t, first.step, None) if first is not None else None
 
     def failures_since(self, t: float) -> list[dict[str, Any]]:
         return [e for e in self.failures if e["t"] >= t]

@@ -184,8 +184,8 @@ class Session:
     def _watch(self) -> None:
         """Start watching for preemption notices once the model is built, as the built-in trainer always has: a
         SIGTERM before then (while joining the process group, say) keeps its default action. The heartbeat
-        (hang detection) starts here too."""
-        if self.heartbeat is None and self.run_dir is not None and self.cfg is not None and self.cfg.hang.enabled:
+        starts here too: the controller's hang detection (``hang.enabled``) and its recovery check read it."""
+        if self.heartbeat is None and self.run_dir is not None and self.cfg is not None:
             self.heartbeat = Heartbeat(self.run_dir, self.ctx, self.cfg.hang.heartbeat_interval_s)
         if self.preemption is None:
             self.preemption = PreemptionResponse(self._preemption_cfg, self.ctx, self.run_dir, self.device,
