@@ -37,7 +37,7 @@ from orchestrator.bench.recovery import _free_port
 from orchestrator.bench.replay_job import Job
 from orchestrator.bench.replay_trace import TraceEvent
 from orchestrator.processes import NodeProcess, kill_tree, terminate_tree
-from orchestrator.rundir import METRICS_FILE, read_jsonl
+from orchestrator.rundir import EVENTS_FILE, METRICS_FILE, EventName, read_jsonl
 
 PRESET = "cpu_elastic"
 POLL_S = 0.2
@@ -329,8 +329,8 @@ class OrchRun(ProcessRun):
 
     def agent_on(self, ray_node: str) -> Optional[tuple[int, int]]:
         """(orch node, agent pid) of the latest agent placed on that Ray node, if any."""
-        joined = [e for e in read_jsonl(self.run_dir / "events.jsonl")
-                  if e["event"] == "node_joined" and e.get("ray_node") == ray_node and e.get("pid")]
+        joined = [e for e in read_jsonl(self.run_dir / EVENTS_FILE)
+                  if e["event"] == EventName.NODE_JOINED and e.get("ray_node") == ray_node and e.get("pid")]
         return (joined[-1]["node"], joined[-1]["pid"]) if joined else None
 
     def notify(self, node: int, ray_node: str, grace_s: float) -> None:
@@ -365,8 +365,8 @@ class OrchRun(ProcessRun):
 
     def stop(self) -> None:
         super().stop()
-        for e in read_jsonl(self.run_dir / "events.jsonl"):  # agents on Ray nodes are not this process's children
-            if e["event"] == "node_joined" and e.get("pid"):
+        for e in read_jsonl(self.run_dir / EVENTS_FILE):  # agents on Ray nodes are not this process's children
+            if e["event"] == EventName.NODE_JOINED and e.get("pid"):
                 kill_tree(e["pid"])
 
 
