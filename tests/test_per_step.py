@@ -203,6 +203,33 @@ def test_peer_transport_serves_only_a_holder_of_the_secret_only_on_its_address()
             t.shutdown()
 
 
+@needs_torchft
+def test_a_heal_source_waits_until_its_peer_fetched_the_state_but_not_for_a_peer_that_never_comes():
+    import threading
+    from datetime import timedelta
+
+    from orchestrator.ft.transport import PeerStateTransport
+
+    source = PeerStateTransport(timedelta(seconds=5), address="127.0.0.1", secret="s3cret")
+    peer = PeerStateTransport(timedelta(seconds=5), address="127.0.0.1", secret="s3cret")
+    try:
+        assert source.wait_served(0.1, 1.0), "nobody to heal: no wait"
+        source.send_checkpoint([1], 3, {"w": torch.arange(3.0)}, timedelta(seconds=2))
+        started = time.monotonic()
+        assert not source.wait_served(0.3, 5.0) and time.monotonic() - started < 3, "a peer that never fetches"
+        source.send_checkpoint([1], 4, {"w": torch.arange(4.0)}, timedelta(seconds=2))
+        got = {}
+        fetch = threading.Timer(0.3, lambda: got.update(sd=peer.recv_checkpoint(0, source.metadata(), 4,
+                                                                                  timedelta(seconds=5))))
+        fetch.start()
+        assert source.wait_served(3.0, 10.0), "the peer fetched it"
+        fetch.join(10)
+        assert torch.equal(got["sd"]["w"], torch.arange(4.0))
+    finally:
+        for t in (source, peer):
+            t.shutdown()
+
+
 def test_sampler_follows_the_quorum_and_redoes_a_discarded_step():
     """Steps at 2, 1, 1 (redo), 3 replica groups: each step's ranks together draw exactly its global slice."""
     position = {"sample": 0}

@@ -122,6 +122,7 @@ class ReplicaGroup(_ReplicaRecords):
         install()  # torchft's Manager on orch's quorum service, not on torchft's Rust servers
         self._pg: Any = None  # the cross-group process group, made with the Manager
         self._hold_s = max(30.0, ft.quorum_timeout_s)
+        self._collective_s = ft.collective_timeout_s
         self._make_manager = lambda: Manager(
             pg=self._new_process_group(cfg.backend.name, timedelta(seconds=ft.collective_timeout_s)),
             load_state_dict=self._load, state_dict=self._state_dict,
@@ -268,7 +269,7 @@ class ReplicaGroup(_ReplicaRecords):
             self._apply_heal()
             # A source of a healing group starts its step once the peer has the state (the peer's step waits
             # for that anyway), so that its first all-reduce does not time out while the state is still sent.
-            self.transport.wait_served(self.transport.timeout.total_seconds())
+            self.transport.wait_served(self._collective_s, self.transport.timeout.total_seconds())
         finally:
             self._quorum_started = None
         ended = time.perf_counter()

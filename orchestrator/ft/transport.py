@@ -50,6 +50,7 @@ class PeerStateTransport(CheckpointTransport[Any]):
         self._state: Any = None
         self._payload: Optional[bytes] = None
         self._to_serve = 0  # fetches of the staged state still to come (one per recovering group)
+        self._serving = 0  # fetches of it under way
         self.staged = 0  # states staged for a recovering peer so far
         self._gate = Gate(listening_socket(self.address, 0), self.secret, self._route, on_refused,
                           name="orch-ft-state", max_connections=16, max_pending=16)
@@ -74,13 +75,20 @@ class PeerStateTransport(CheckpointTransport[Any]):
             self._to_serve = 0
             self._cond.notify_all()
 
-    def wait_served(self, timeout_s: float) -> bool:
+    def wait_served(self, start_s: float, timeout_s: float) -> bool:
         """Until every recovering group this worker was told to heal has fetched the staged state (or failed to),
         at most ``timeout_s``: a source that trained on meanwhile would start its all-reduces while its peer is
-        still fetching, and time out on a state that takes longer to send than ``collective_timeout_s``.
-        Returns whether every fetch is done."""
+        still fetching, and time out on a state that takes longer to send than ``collective_timeout_s``. A peer
+        that has not begun to fetch within ``start_s`` is not waited for (it may be gone). Returns whether every
+        fetch is done."""
+        started = time.monotonic()
         with self._cond:
-            return self._cond.wait_for(lambda: self._to_serve == 0, timeout_s)
+            while self._to_serve > 0:
+                waited = time.monotonic() - started
+                if waited >= timeout_s or (self._serving == 0 and waited >= start_s):
+                    return False
+                self._cond.wait(min(0.05, timeout_s - waited))
+            return True
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
         if not metadata.startswith(SCHEME):
@@ -117,14 +125,21 @@ class PeerStateTransport(CheckpointTransport[Any]):
                     send_json(sock, {"ok": False, "error": f"step {step} is not staged here (staged: {self._step})"})
                     return
                 self._cond.wait(left)
-            if self._payload is None:
-                self._payload = encode(self._state)
-            payload = self._payload
+            self._serving += 1
+            try:
+                if self._payload is None:
+                    self._payload = encode(self._state)
+                payload = self._payload
+            except BaseException:
+                self._serving -= 1
+                self._to_serve = max(0, self._to_serve - 1)
+                raise
         try:
             send_json(sock, {"ok": True})
             send_bytes(sock, payload)
         finally:
             with self._cond:  # served, or the peer is gone: either way nothing more to wait for from it
+                self._serving -= 1
                 self._to_serve = max(0, self._to_serve - 1)
                 self._cond.notify_all()
         if self.on_served is not None:
