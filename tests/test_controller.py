@@ -267,6 +267,19 @@ def test_survivors_that_committed_before_the_loss_was_seen_are_recovered_and_the
     assert len(pool.started) == 3 and pool.started[-1].node == 1, "node 1's slot is filled again"
 
 
+def test_a_group_that_finished_first_is_not_replaced(make_controller):
+    """per_step's groups finish one by one: the first agent to exit 0 is the end of training, not a slot to
+    fill again (a replacement started then only healed, found nothing to train and delayed the run's end)."""
+    c, pool, events, clock = make_controller(["cluster.nnodes=1:2", "fault_tolerance.mode=per_step"], machines(1, 1))
+    steps(c, 2)
+    clock.advance(5)
+    pool.exit(1, 0)
+    assert steps(c, 3) == ["running"] * 3 and len(pool.started) == 2
+    events.emit("training_finished", steps_completed=60)
+    pool.exit(0, 0)
+    assert c._step()[1].name == "finished" and c.state.status == RunStatus.SUCCEEDED
+
+
 def test_a_heartbeat_from_before_the_loss_is_no_recovery(make_controller, tmp_path):
     c, pool, events, clock = make_controller(["cluster.nnodes=1:2"], machines(1, 1))
     steps(c, 2)

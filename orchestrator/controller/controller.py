@@ -131,7 +131,9 @@ class Controller:
             return state
         self._boot_standbys()
         self._end_hung_nodes()
-        decision = self._scale(grow=self.loss_t is None or bool(self._replace))
+        # An agent that finished cleanly means training reached its end (per_step's groups finish one by one):
+        # no node is added or replaced any more, and none is missed.
+        decision = ScalingDecision() if self.any_finished else self._scale(grow=self.loss_t is None or bool(self._replace))
         if decision.fail_reason:
             return self._stop_all_then(failed(decision.fail_reason))
         if state.name == StateName.RUNNING:
