@@ -198,6 +198,98 @@ def test_a_group_of_another_size_than_the_live_ones_is_refused_in_one_line():
         svc.close()
 
 
+def watch(svc: QuorumService, rid: str, quorum_id: int, rank: int = 0, timeout_s: float = 5.0) -> dict:
+    return svc.call({"op": "watch", "replica_id": rid, "group_rank": rank, "quorum_id": quorum_id,
+                     "timeout_s": timeout_s})
+
+
+def test_a_watch_is_answered_at_once_when_a_member_of_its_quorum_is_dropped_and_only_then():
+    """The clock stands still: nothing ages out unless the test moves it."""
+    svc = service(join_ms=60_000)
+    try:
+        register(svc, "a:1", "b:2", "c:3")
+        q = all_ask(svc, {"a:1": 3, "b:2": 3, "c:3": 3})[("a:1", 0)]["quorum_id"]
+        started = time.monotonic()
+        assert watch(svc, "a:1", q, timeout_s=0.3) == {"quorum_id": q, "dropped": []}, "nothing dropped: no news"
+        assert time.monotonic() - started >= 0.3
+        with ThreadPoolExecutor(2) as pool:
+            a, b = pool.submit(watch, svc, "a:1", q), pool.submit(watch, svc, "b:2", q)
+            time.sleep(0.2)
+            assert not a.done() and not b.done()
+            assert svc.call({"op": "leave", "replica_id": "c:3"}) == {}
+            assert a.result(timeout=2) == b.result(timeout=2) == {"quorum_id": q, "dropped": ["c:3"]}
+        assert watch(svc, "a:1", q) == {"quorum_id": q, "dropped": ["c:3"]}, "asked again: still gone"
+        # The next quorum is without c: a watch of it hears nothing of c, nor of its own group.
+        q2 = all_ask(svc, {"a:1": 4, "b:2": 4})[("a:1", 0)]["quorum_id"]
+        assert q2 != q and watch(svc, "a:1", q2, timeout_s=0.2)["dropped"] == []
+        assert svc.drop("b") == ["b:2"] and watch(svc, "a:1", q2) == {"quorum_id": q2, "dropped": ["b:2"]}
+        assert "registered" in watch(svc, "b:2", q2)["error"], "a group that is out watches nothing"
+    finally:
+        svc.close()
+
+
+def test_a_watch_hears_of_a_member_whose_heartbeats_aged_out_and_of_no_other_quorum():
+    """A frozen group (a stopped process, a frozen VM) closes nothing: only its silence tells."""
+    clock = Clock()
+    svc = service(join_ms=60_000, clock=clock)
+    try:
+        register(svc, "a:1", "b:2")
+        q = all_ask(svc, {"a:1": 3, "b:2": 3})[("a:1", 0)]["quorum_id"]
+        register(svc, "x:9")  # heartbeats, but not in the watched quorum
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(watch, svc, "a:1", q, 0, 10)
+            clock.t += 0.6
+            svc.call({"op": "heartbeat", "replica_id": "a:1"})
+            svc.call({"op": "heartbeat", "replica_id": "b:2"})
+            clock.t += 0.6  # x:9 went silent 1.2 s ago, b:2 0.6 s ago: nothing for a watch of q
+            time.sleep(0.3)
+            assert not held.done()
+            svc.call({"op": "heartbeat", "replica_id": "a:1"})
+            clock.t += 0.5  # b:2 silent 1.1 s, past heartbeat_timeout_ms
+            started = time.monotonic()
+            assert held.result(timeout=5) == {"quorum_id": q, "dropped": ["b:2"]}
+            assert time.monotonic() - started < 3
+        assert watch(svc, "a:1", q + 7, timeout_s=0.2)["dropped"] == [], "a quorum it never formed: no news"
+    finally:
+        svc.close()
+
+
+def test_watches_are_one_per_rank_of_a_registered_group_and_freed_when_their_caller_hangs_up():
+    from orchestrator.trust.acceptor import listening_socket
+    from orchestrator.trust.frames import send_json
+    from orchestrator.trust.gate import Gate
+    from orchestrator.trust.handshake import connect
+
+    svc = service(join_ms=60_000)
+    gate = Gate(listening_socket("127.0.0.1"), "s3cret", lambda r: svc.handler if r == ROUTE else None)
+    try:
+        register(svc, "a:1", "b:2", world=2)
+        q = all_ask(svc, {"a:1": 1, "b:2": 1}, world=2)[("a:1", 0)]["quorum_id"]
+        assert "no group_rank 2" in watch(svc, "a:1", q, rank=2)["error"]
+        assert "registered" in watch(svc, "stranger:0", q)["error"]
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(watch, svc, "a:1", q, 0, 30)
+            time.sleep(0.2)
+            again = watch(svc, "a:1", q, timeout_s=0.2)  # the same rank asks again: the first one ends
+            assert first.result(timeout=2) == again == {"quorum_id": q, "dropped": []}
+        with svc._lock:
+            assert svc._watchers == {}
+        sock = connect(("127.0.0.1", gate.port), "s3cret", ROUTE, 5.0)
+        send_json(sock, {"op": "watch", "replica_id": "a:1", "group_rank": 1, "quorum_id": q, "timeout_s": 60})
+        deadline = time.monotonic() + 5
+        while ("a:1", 1) not in svc._watchers and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ("a:1", 1) in svc._watchers
+        sock.close()  # the worker exited: its watch is freed, not held for the minute it asked for
+        deadline = time.monotonic() + 5
+        while ("a:1", 1) in svc._watchers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ("a:1", 1) not in svc._watchers
+    finally:
+        gate.close()
+        svc.close()
+
+
 def test_torchfts_manager_through_orchs_client_and_a_real_gate():
     """torchft's own Manager code path, its server and client replaced by orch's: registration, a quorum, the
     checkpoint address of a heal source, and a commit, over the run's gate; a wrong secret gets nothing."""

@@ -22,6 +22,12 @@ The rules (torchft's ``quorum_compute`` and ``compute_quorum_results``):
   is rebuilt then;
 - members behind the newest step heal from one that has it (assigned round-robin), as does every member but
   the first at step 0 (``init_sync``).
+
+And one of orch's own (torchft has none: its users ask for it, torchft#196): a worker *watches* the quorum it
+trains in (op ``watch``, long-polled by one thread per worker, :mod:`orchestrator.ft.watch`), and is answered as
+soon as another member of that quorum stops being healthy (dropped, left, its heartbeats aged out or its
+heartbeat connection closed), so that it aborts a cross-group collective that would otherwise wait out
+``collective_timeout_s`` for a peer that froze without closing its connections.
 """
 
 from __future__ import annotations
@@ -41,6 +47,12 @@ ROUTE = "ft/quorum"
 """The gate route of the service."""
 ADDRESS_PREFIX = "orch-quorum:"
 """A group's "manager address" as torchft's Manager passes it around: this prefix and the group's replica id."""
+WATCH_MAX_S = 60.0
+"""The longest a ``watch`` is held before it is answered with no drop (its watcher then asks again)."""
+WATCH_POLL_S = 1.0
+"""The longest a held ``watch`` sleeps between looks (its caller may have hung up)."""
+QUORUMS_KEPT = 16
+"""How many of the latest quorums' members a ``watch`` can be answered about (a worker watches the newest)."""
 
 
 @dataclass
@@ -104,6 +116,8 @@ class QuorumService:
         self._quorum_id = 0
         self._results: dict[tuple[str, int], tuple[int, dict[str, Any]]] = {}  # (replica, rank) -> (serial, result)
         self._serial = 0
+        self._members: dict[int, tuple[str, ...]] = {}  # quorum id -> its members' replica ids (the latest few)
+        self._watchers: dict[tuple[str, int], object] = {}  # (replica, group rank) -> its one watch being held
         self._closed = False
         self._ticker = threading.Thread(target=self._tick_loop, daemon=True, name="orch-quorum-tick")
         self._ticker.start()
@@ -179,6 +193,9 @@ class QuorumService:
             self._quorum_id += 1
         quorum = Quorum(self._quorum_id, members)
         self._prev = quorum
+        self._members[quorum.quorum_id] = tuple(ids)
+        for old in [q for q in self._members if q <= quorum.quorum_id - QUORUMS_KEPT]:
+            del self._members[old]
         for m in members:
             self._participants.pop(m.replica_id, None)
             group = self._groups.get(m.replica_id)
@@ -202,8 +219,9 @@ class QuorumService:
                 self._lock.wait(self.tick_s)
 
     # -- the calls of a group's ranks ----------------------------------------------------------------------
-    def call(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Serve one request (see :mod:`orchestrator.ft.coordination` for the client side)."""
+    def call(self, request: dict[str, Any], hung_up: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+        """Serve one request (see :mod:`orchestrator.ft.coordination` for the client side). ``hung_up``: whether
+        the caller is gone (a ``watch`` held for it ends then)."""
         op = request.get("op")
         rid = str(request.get("replica_id", ""))
         if op == "heartbeat":
@@ -242,6 +260,8 @@ class QuorumService:
             return {"metadata": metadata} if metadata is not None else {"error": f"no checkpoint server for {rid}"}
         if op == "should_commit":
             return self._should_commit(rid, request)
+        if op == "watch":
+            return self._watch(rid, request, hung_up)
         return {"error": f"unknown request {op!r}"}
 
     def _quorum(self, rid: str, request: dict[str, Any]) -> dict[str, Any]:
@@ -299,6 +319,49 @@ class QuorumService:
             group.rounds[(rank, step)] = key[1] + 1
             return {"should_commit": group.decisions[key]}
 
+    def _watch(self, rid: str, request: dict[str, Any], hung_up: Callable[[], bool]) -> dict[str, Any]:
+        """Answer rank ``group_rank`` of group ``rid`` when a member of quorum ``quorum_id`` other than its own
+        group is no longer healthy (``{"quorum_id", "dropped": [replica ids]}``, at once if one already is), else
+        after ``timeout_s`` (at most :data:`WATCH_MAX_S`) with ``"dropped": []``; the same when its group is out,
+        the service closes, or a newer watch of the same rank takes its place. One watch per rank of a registered
+        group is held at a time, and the one held for a caller that hung up ends within :data:`WATCH_POLL_S`."""
+        rank, quorum_id = int(request["group_rank"]), int(request["quorum_id"])
+        deadline = time.monotonic() + min(max(0.0, float(request["timeout_s"])), WATCH_MAX_S)
+        key, token = (rid, rank), object()
+        with self._lock:
+            group = self._groups.get(rid)
+            if group is None:
+                return {"error": f"replica {rid} is not registered (or left the quorum)"}
+            if not 0 <= rank < group.world_size:
+                return {"error": f"replica {rid} has {group.world_size} rank(s): no group_rank {rank}"}
+            self._watchers[key] = token  # an earlier watch of this rank (its caller gone, or asking again) ends
+            self._lock.notify_all()
+            try:
+                while True:
+                    dropped, ages_out_s = self._gone_from(quorum_id, rid)
+                    if dropped:
+                        return {"quorum_id": quorum_id, "dropped": dropped}
+                    if self._watchers.get(key) is not token or rid not in self._groups or self._closed \
+                            or time.monotonic() >= deadline or hung_up():
+                        return {"quorum_id": quorum_id, "dropped": []}
+                    # A drop, a leave or a closed connection wakes it; a heartbeat ageing out it sees when due (at
+                    # most ``WATCH_POLL_S`` apart, so a caller that hung up is noticed).
+                    self._lock.wait(max(0.0, min(deadline - time.monotonic(), WATCH_POLL_S,
+                                                 max(self.tick_s, ages_out_s))))
+            finally:
+                if self._watchers.get(key) is token:
+                    del self._watchers[key]
+
+    def _gone_from(self, quorum_id: int, rid: str) -> tuple[list[str], float]:
+        """The members of quorum ``quorum_id`` but ``rid`` that are not healthy now (none for a quorum no longer
+        kept: its members are long reconfigured away), and the seconds until the next one's heartbeat ages out."""
+        now = self.clock()
+        healthy = self._healthy(now)
+        others = [m for m in self._members.get(quorum_id, ()) if m != rid]
+        ages_out = min((self._heartbeats[m] + self.heartbeat_timeout_s - now for m in others if m in healthy),
+                       default=float("inf"))
+        return sorted(m for m in others if m not in healthy), ages_out
+
     # -- the gate's side ---------------------------------------------------------------------------------
     def handler(self, sock: socket.socket, peer: str) -> None:
         """Serve one authenticated connection: a JSON request, a JSON answer, until the client hangs up."""
@@ -311,7 +374,7 @@ class QuorumService:
                 if request.get("op") == "heartbeat":
                     beating.add(str(request.get("replica_id", "")))
                 try:
-                    answer = self.call(request)
+                    answer = self.call(request, hung_up=lambda: _hung_up(sock))
                 except (KeyError, TypeError, ValueError) as exc:
                     answer = {"error": f"bad request: {exc}"}
                 send_json(sock, answer)
@@ -335,6 +398,16 @@ class QuorumService:
         with self._lock:
             self._closed = True
             self._lock.notify_all()
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether the client of ``sock`` closed it while waiting for an answer (it sends nothing meanwhile)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def results(quorum: Quorum, rid: str, group_rank: int, init_sync: bool) -> dict[str, Any]:
