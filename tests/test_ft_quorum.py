@@ -290,6 +290,41 @@ def test_watches_are_one_per_rank_of_a_registered_group_and_freed_when_their_cal
         svc.close()
 
 
+def test_a_workers_watch_thread_reports_each_quorum_it_follows_once():
+    """orchestrator/ft/watch.py through a real gate: told of a drop in the quorum it follows, once; it then
+    watches the next quorum it is given."""
+    from orchestrator.ft.coordination import QuorumClient
+    from orchestrator.ft.watch import QuorumWatch
+    from orchestrator.trust.acceptor import listening_socket
+    from orchestrator.trust.gate import Gate
+
+    svc = service(join_ms=60_000)
+    gate = Gate(listening_socket("127.0.0.1"), "s3cret", lambda r: svc.handler if r == ROUTE else None)
+    told: list[tuple[int, list[str]]] = []
+    news = threading.Event()
+    watcher = QuorumWatch("a:1", 0, lambda q, gone: (told.append((q, gone)), news.set()),
+                          client=QuorumClient(f"127.0.0.1:{gate.port}", "s3cret"), poll_s=0.3)
+    try:
+        register(svc, "a:1", "b:2", "c:3")
+        q = all_ask(svc, {"a:1": 1, "b:2": 1, "c:3": 1})[("a:1", 0)]["quorum_id"]
+        watcher.follow(q)
+        time.sleep(0.8)  # a few polls answered with nothing
+        assert told == []
+        svc.drop("c")
+        assert news.wait(5) and told == [(q, ["c:3"])]
+        news.clear()
+        time.sleep(0.5)
+        assert told == [(q, ["c:3"])], "reported once"
+        q2 = all_ask(svc, {"a:1": 2, "b:2": 2})[("a:1", 0)]["quorum_id"]
+        watcher.follow(q2)
+        svc.leave("b:2")
+        assert news.wait(5) and told[-1] == (q2, ["b:2"])
+    finally:
+        watcher.close()
+        gate.close()
+        svc.close()
+
+
 def test_torchfts_manager_through_orchs_client_and_a_real_gate():
     """torchft's own Manager code path, its server and client replaced by orch's: registration, a quorum, the
     checkpoint address of a heal source, and a commit, over the run's gate; a wrong secret gets nothing."""
@@ -354,5 +389,7 @@ def test_torchfts_manager_still_makes_its_server_and_clients_by_the_names_orch_r
     assert "self._apply_pending_state_dict()" in start and "self._healing = False" in start
     quorum = inspect.getsource(torchft_manager.Manager._async_quorum)
     assert "(max_replica_rank, max_replica_world_size)" in quorum and "self._use_async_quorum" in quorum
+    # orchestrator/ft/replica.py reads the quorum it trains in from the Manager's client (orch's ManagerClient).
+    assert "self._client = ManagerClient(" in source
     for name in ("disallow_state_dict_read", "allow_state_dict_read", "wait_quorum", "report_error"):
         assert callable(getattr(torchft_manager.Manager, name, None)), name

@@ -3,6 +3,7 @@ and the committed lineage trains every sample once with a constant global batch.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -140,6 +141,48 @@ def test_killed_node_returns_and_heals_from_a_peer_with_every_sample_once(tmp_pa
         seen = sorted(i for step in range(epoch * 20 + 1, epoch * 20 + 21)
                       for i in GlobalBatchSampler(SAMPLES, G, G, 1, 0, start_sample=(step - 1) * G).__iter__().__next__())
         assert seen == list(range(SAMPLES)), f"epoch {epoch}: the lineage's slices cover every sample once"
+
+
+@needs_torchft
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_frozen_group_is_left_behind_without_waiting_out_the_collective_timeout(tmp_path):
+    """Node 1's agent and worker are stopped (SIGSTOP: a frozen VM, whose connections stay open, so no
+    collective fails and no agent exits). The quorum service drops it when its heartbeats age out
+    (``heartbeat_timeout_ms``, 1 s) and tells the survivor's watch, which aborts its process group at once: its
+    next committed step comes long before ``collective_timeout_s`` (30 s here) would have ended its wait."""
+    import signal
+
+    from orchestrator.chaos import kill_node
+
+    run_dir = tmp_path / "run"
+    proc = start_orch("launch", "conf=cpu_elastic", "launcher=local", "cluster.nnodes=1:2",
+                      "fault_tolerance.mode=per_step", "fault_tolerance.collective_timeout_s=30",
+                      "hang.enabled=false", "trainer.max_steps=100000", "trainer.log_every=1",
+                      f"data.dataset.num_samples={SAMPLES}", f"run.dir={run_dir}", log=tmp_path / "orch.log")
+    stopped_pids: list[int] = []
+    try:
+        events = lambda: read_jsonl(run_dir / "events.jsonl")  # noqa: E731
+        wait_for(lambda: any(e["event"] == "quorum_changed" and e["replicas"] == 2 for e in events()), 180,
+                 "both replica groups in the quorum")
+        wait_for(lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 20, 120, "20 steps together")
+        stopped = time.time()
+        stopped_pids = kill_node(str(run_dir), 1, signal.SIGSTOP)
+        alone = wait_for(lambda: [e for e in events() if e["event"] == "quorum_changed" and e["replicas"] == 1
+                                  and e["t"] > stopped], 60, "the survivor's first step without node 1")[0]
+        paused = alone["t"] - stopped
+        assert paused < 15, f"the survivor waited {paused:.1f} s: the collective timeout (30 s), not the watch"
+        # A step aborted in flight is discarded (and redone in the next quorum), naming the group it lost.
+        for e in events():
+            if e["event"] == "step_discarded" and e["t"] > stopped and e["node"] == 0:
+                assert "lost node1-" in e["error"], e
+    finally:
+        for pid in stopped_pids:  # a stopped process ends on SIGKILL; SIGTERM would wait for a SIGCONT
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        stop_tree(proc.pid)
 
 
 # -- the fast tier: wire format, transport, sampler, config and plan ------------------------------------------

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
-from orchestrator.ft import QUORUM_ENV
+from orchestrator.ft import QUORUM_ENV, sockets
 from orchestrator.ft.quorum import ADDRESS_PREFIX, ROUTE
 from orchestrator.rendezvous.agent import RUN_STORE_ENV
 from orchestrator.trust.frames import recv_json, send_json
@@ -145,6 +145,8 @@ class ManagerClient:
         if not addr.startswith(ADDRESS_PREFIX):
             raise QuorumError(f"not a replica group of orch's quorum service: {addr!r}")
         self.replica_id = addr[len(ADDRESS_PREFIX):]
+        self.quorum_id: Optional[int] = None
+        """The id of the last quorum this client was given (the one the worker trains in once it waited for it)."""
         self._client = QuorumClient(connect_timeout_s=connect_timeout.total_seconds())
         # The ranks of this worker's group (torchrun's world: one node's), as torchft's Manager counts them.
         self._group_size = int(os.environ.get("WORLD_SIZE", "0"))
@@ -160,6 +162,7 @@ class ManagerClient:
         # protocol applies the fetched state before the forward pass instead, so every member of the quorum
         # trains the step: the participating rank and size are the quorum's own, as without the async quorum.
         answer["max_replica_rank"], answer["max_world_size"] = answer["replica_rank"], answer["replica_world_size"]
+        self.quorum_id = int(answer["quorum_id"])
         return QuorumResult(**answer)
 
     def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
@@ -188,10 +191,16 @@ def process_group(backend: str, timeout: timedelta, hold_s: float = 60.0):
     """torchft's reconfigurable process group for the cross-replica all-reduce, with its handles exchanged
     through the run's store (gloo; NCCL the same way). While its ``free`` event is clear, a reconfiguration waits
     (at most ``hold_s``): the step protocol clears it from a step's commit to the next step, while the group may
-    still use the committed step's process group (a record's means) and the next step's quorum is being formed."""
+    still use the committed step's process group (a record's means) and the next step's quorum is being formed.
+
+    Aborting it ends its collectives at once, those waiting on a peer that froze included: under gloo its
+    connections are shut down first (:mod:`orchestrator.ft.sockets`; NCCL's abort does that itself).
+    :meth:`abort_if` aborts the process group it runs on only if that is still the one given, atomically with a
+    reconfiguration, so an abort meant for an earlier quorum never hits the next one's."""
     from torchft import ProcessGroupGloo, ProcessGroupNCCL
 
     base = ProcessGroupNCCL if backend == "nccl" else ProcessGroupGloo
+    cuts_sockets = base is ProcessGroupGloo
 
     class OrchProcessGroup(base):  # type: ignore[misc, valid-type]
         """The handle names the run's store instead of a TCPStore this process would host on every interface;
@@ -201,13 +210,38 @@ def process_group(backend: str, timeout: timedelta, hold_s: float = 60.0):
             super().__init__(**kwargs)
             self.free = threading.Event()
             self.free.set()
+            self._swap = threading.RLock()  # a reconfiguration, and an abort of the process group it replaces
+            self._connections: list[tuple[int, int]] = []  # the gloo process group's sockets (fd, inode)
 
         def get_reconfigure_handle(self) -> str:
             return json.dumps({"id": self._handle_id(), "store": ORCH_STORE, "global_rank": self._global_rank})
 
         def reconfigure(self, opts: Any) -> Any:
             self.free.wait(hold_s)  # the committed step's last collectives first (then go on regardless)
-            return super().reconfigure(_through_relay(opts))
+            with self._swap:
+                return super().reconfigure(_through_relay(opts))
+
+        def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
+            before = sockets.open_sockets() if cuts_sockets else {}
+            pg = super()._create_pg(store, rank, world_size)
+            self._connections = sockets.opened_since(before) if cuts_sockets else []
+            return pg
+
+        def abort(self, errored: bool = True) -> None:
+            with self._swap:
+                connections, self._connections = self._connections, []
+                sockets.cut(connections)
+                super().abort(errored=errored)
+
+        def abort_if(self, inner: Any = None) -> bool:
+            """Abort the process group this one runs on now if that is ``inner`` (whichever it is, if None);
+            whether it did (torchft lets an aborted one go, so a second call finds none)."""
+            with self._swap:
+                current = getattr(self, "_pg", None)
+                if current is None or (inner is not None and current is not inner):
+                    return False
+                self.abort()
+                return True
 
     return OrchProcessGroup(timeout=timeout)
 

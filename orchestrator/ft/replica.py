@@ -42,6 +42,7 @@ from orchestrator.events import (Event, QuorumChanged, ReplicaHealed, ReplicaLef
                                  StoreClientRefused)
 from orchestrator.ft.steps import Emit, Membership, RestartSteps, StepProtocol, send
 from orchestrator.ft.transport import PeerStateTransport
+from orchestrator.ft.watch import QuorumWatch
 from orchestrator.runtime.distributed import DistContext
 from orchestrator.runtime.state import Record, RngState, Stateful, TrainingState, rng_state, set_rng_state
 
@@ -140,8 +141,10 @@ class ReplicaGroup(_ReplicaRecords):
         self._held = False  # since then: the state a peer copies and the committed step's process group held
         self._staged = 0  # states staged for a peer when the quorum being waited for was asked for
         self._error = ""  # the committed (or discarded) step's collective error, if any
-        self._abort_lock = threading.Lock()
         self._aborting: list[threading.Thread] = []  # aborts started by failed buckets, joined at the sync
+        self._watch: Optional[QuorumWatch] = None  # told when a member of the quorum in use is dropped
+        self._in_use: Optional[tuple[int, Any]] = None  # (quorum id, the process group it runs on) of this step
+        self._lost = ""  # why the quorum in use was aborted by the watch, if it was
         self._snapshot: dict[str, Any] = {}
         self._quorum_s = self._step_t0 = 0.0
         self._quorum_started: Optional[float] = None  # while this group is in a quorum
@@ -162,14 +165,24 @@ class ReplicaGroup(_ReplicaRecords):
         if self._pg is not None and self.manager.errored() is not None:
             self._abort_once()
 
-    def _abort_once(self, inner: Any = None) -> None:
-        """Abort the process group the reconfigurable one runs on (``inner``: that one only, if it still is):
-        torchft lets it go when aborting it, so a second call finds none."""
-        with self._abort_lock:
-            current = self._pg_inner()
-            if current is None or (inner is not None and current is not inner):
-                return
-            self._pg.abort()
+    def _abort_once(self, inner: Any = None) -> bool:
+        """Abort the process group the reconfigurable one runs on (``inner``: that one only, if it still is),
+        atomically with a reconfiguration: torchft lets it go when aborting it, so a second call finds none."""
+        return bool(self._pg.abort_if(inner))
+
+    def _peer_dropped(self, quorum_id: int, dropped: list[str]) -> None:
+        """The watch's news (its own thread): members of quorum ``quorum_id`` are gone. If this worker still
+        trains in that quorum, its process group is aborted now: a collective in flight on it (or the next one
+        issued) fails at once and the step is discarded and redone in the next quorum, instead of waiting
+        ``collective_timeout_s`` for a peer that may be frozen with its connections open. A step whose
+        collectives all finished keeps its result (the dropped group's gradients were in it). Nothing for a
+        quorum this worker already left behind (its process group was reconfigured since)."""
+        in_use = self._in_use
+        if in_use is None or in_use[0] != quorum_id or in_use[1] is None:
+            return
+        before, self._lost = self._lost, f"quorum {quorum_id} lost {', '.join(dropped)} (aborted at once)"
+        if not self._abort_once(in_use[1]):  # said before the abort: the step may fail the moment it is done
+            self._lost = before
 
     def _pg_inner(self) -> Any:
         """The process group the reconfigurable one runs on now (a new one after every reconfiguration)."""
@@ -203,6 +216,7 @@ class ReplicaGroup(_ReplicaRecords):
         heartbeating groups must join), so it starts only when this group is ready to train."""
         if self._manager is None:
             self._manager = self._make_manager()
+            self._watch = QuorumWatch(self._manager._client.replica_id, self.ctx.rank, self._peer_dropped)
         return self._manager
 
     # -- the state a peer sends and a healing group loads ---------------------------------------------------
@@ -286,6 +300,7 @@ class ReplicaGroup(_ReplicaRecords):
         self.ctx.leader = self.participating_rank == 0
         self.ctx.replicas = max(1, self.participants)
         self._began, self._synced, self.committed, self._error = True, False, None, ""
+        self._follow_quorum()
         if not self.buckets.bound:
             self.buckets.bind(self._trainable(), self._issue)
         self.buckets.start_step()
@@ -296,6 +311,15 @@ class ReplicaGroup(_ReplicaRecords):
                                            heal_s=round(self._quorum_s, 4), checkpoint_read=False,
                                            params_sha256=self.healed_from["loaded_sha256"],
                                            source_params_sha256=self.healed_from["params_sha256"]))
+
+    def _follow_quorum(self) -> None:
+        """Watch the quorum this step trains in (with the process group it runs on), if other groups are in it."""
+        quorum_id = self.manager._client.quorum_id
+        if self._in_use is None or self._in_use[0] != quorum_id:
+            self._lost = ""
+        self._in_use = (quorum_id, self._pg_inner()) if quorum_id is not None else None
+        if self._watch is not None:
+            self._watch.follow(quorum_id if self.participants > 1 else None)
 
     def _apply_heal(self) -> None:
         """A group that must heal loads the state its quorum fetched now, before its forward pass: torchft's
@@ -436,7 +460,8 @@ class ReplicaGroup(_ReplicaRecords):
         if self.committed is None:
             self.sync_gradients()
             self.committed = bool(self.manager.should_commit())
-            self._error = str(self.manager.errored() or "")[:300]  # before the next quorum starts afresh
+            error = str(self.manager.errored() or "")  # before the next quorum starts afresh
+            self._error = (f"{self._lost}: {error}" if self._lost and error else error)[:300]
             self._start_ahead()
         return self.committed
 
@@ -516,6 +541,8 @@ class ReplicaGroup(_ReplicaRecords):
         self._notice_pending = pending
 
     def shutdown(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
         if self._manager is not None:
             self._release()  # a quorum asked for ahead must not wait on this worker's state or process group
             self._manager.shutdown(wait=False)
