@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -70,9 +71,10 @@ def test_an_unimportable_target_is_refused_every_time():
 
 
 @pytest.mark.slow
-def test_the_second_composition_of_a_preset_imports_no_torch():
+def test_the_second_composition_of_a_preset_imports_no_torch(tmp_path):
     """The driver's start: the second launch of a preset composes and validates without importing torch, and a
-    bad learning rate is still refused (from the remembered facts)."""
+    bad learning rate is still refused (from the remembered facts). Its own cache dir: other tests in this
+    process may have filled the session's."""
     script = textwrap.dedent("""
         import json, sys
         from orchestrator.config.compose import compose_config
@@ -85,8 +87,9 @@ def test_the_second_composition_of_a_preset_imports_no_torch():
             refused = str(e)
         print(json.dumps(["torch" in sys.modules, refused]))
     """)
-    first, second = (subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-                     for _ in range(2))
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    first, second = (subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                                    env=env) for _ in range(2))
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     assert json.loads(first.stdout)[0] is True
     torch_imported, refused = json.loads(second.stdout)
