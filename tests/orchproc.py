@@ -71,6 +71,16 @@ def stop_tree(pid: int) -> None:
     terminate_tree(pid, grace_s=5)
 
 
+def stop_launch(proc: subprocess.Popen, timeout: float = 120) -> int:
+    """What ``orch stop`` does to a foreground launch (its STOP_SIGNAL): every node saves and leaves, and the run
+    ends ``stopped``. For a test whose point is reached before the run's last step: the steps left would only
+    add time. Returns the launch's exit code."""
+    from orchestrator.controller.controller import STOP_SIGNAL
+
+    os.kill(proc.pid, STOP_SIGNAL)
+    return proc.wait(timeout=timeout)
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []

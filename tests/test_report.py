@@ -65,6 +65,20 @@ def test_summary_keeps_the_final_loss_when_a_later_group_finishes_without_one(tm
 
 
 @pytest.mark.timeout(30)
+def test_nodes_that_leave_on_orch_stops_notice_are_no_preemptions(tmp_path):
+    from orchestrator.report.summary import build_summary
+    t = time.time()
+    events = [{"t": t, "event": "launch_started"},
+              {"t": t + 1, "event": "node_preempted", "node": 1, "exit_code": 75, "reason": "a notice"},
+              {"t": t + 2, "event": "stop_requested"},
+              {"t": t + 3, "event": "node_preempted", "node": 0, "exit_code": 75, "reason": "orch stop"},
+              {"t": t + 3, "event": "node_preempted", "node": 1, "exit_code": 75, "reason": "orch stop"},
+              {"t": t + 4, "event": "run_finished", "status": "stopped"}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert build_summary(tmp_path)["preemptions"] == 1
+
+
+@pytest.mark.timeout(30)
 def test_step_time_breakdown_is_the_step_weighted_mean():
     metrics = [
         _record(1.0, 2, 0.1, 2, data_s=0.1, compute_s=0.0, comm_s=0.0, optimizer_s=0.0, checkpoint_s=0.0, other_s=0.0),

@@ -102,7 +102,7 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         "wall_s": (run_finished["t"] - launch_start(events)) if run_finished and launch_start(events) else None,
         "params_sha256": finished.get("params_sha256"),
         "restarts": sum(1 for e in events if e["event"] == EventName.RESTART),
-        "preemptions": sum(1 for e in events if e["event"] == EventName.NODE_PREEMPTED),
+        "preemptions": preemptions(events),
         "goodput": compute_goodput(events, metrics),
         "nodes_lost": sum(1 for e in events if e["event"] == EventName.NODE_LOST),
         "samples_per_s": _mean(m.get("samples_per_s") for m in metrics),  # None: the script reported no samples
@@ -124,6 +124,12 @@ def write_summary(run_dir: str | Path) -> dict[str, Any]:
     summary = build_summary(run_dir)
     (Path(run_dir) / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def preemptions(events: list[dict[str, Any]]) -> int:
+    """Nodes that left on a preemption notice; not those that left on ``orch stop``'s (it sends every node one)."""
+    stopped = min((e["t"] for e in events if e["event"] == EventName.STOP_REQUESTED), default=float("inf"))
+    return sum(1 for e in events if e["event"] == EventName.NODE_PREEMPTED and e["t"] < stopped)
 
 
 def format_summary(summary: dict, run_dir: str) -> str:
