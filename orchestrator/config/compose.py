@@ -11,14 +11,9 @@ import contextlib
 import os
 import re
 from pathlib import Path
+from functools import cache
 from typing import Any, Iterator, Sequence
 
-from hydra import compose, initialize_config_dir
-from hydra.core.config_store import ConfigStore
-from hydra.core.global_hydra import GlobalHydra
-from hydra.core.singleton import Singleton
-from hydra.errors import HydraException, MissingConfigException
-from hydra.version import VersionBase
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -27,12 +22,20 @@ from orchestrator.config.validate import validate_config
 from orchestrator.errors import ConfigError, UserError
 
 SCHEMA_NAME = "orch_schema"
-# Presets list ``orch_schema`` first; it brings the typed schema plus the defaults of groups that every preset
-# has without naming them (``logger: none``, ``parallelism: ddp``), so ``logger=...`` and ``parallelism=...``
-# overrides work on any preset, user ones too (a preset picks another with ``- override parallelism: fsdp2``).
-ConfigStore.instance().store(name="_orch_schema_typed", node=OrchConfig)
-ConfigStore.instance().store(name=SCHEMA_NAME, node={"defaults": ["_orch_schema_typed", {"logger": "none"},
-                                                              {"parallelism": "ddp"}, "_self_"]})
+
+
+@cache
+def register_schema() -> None:
+    """Presets list ``orch_schema`` first; it brings the typed schema plus the defaults of groups that every
+    preset has without naming them (``logger: none``, ``parallelism: ddp``), so ``logger=...`` and
+    ``parallelism=...`` overrides work on any preset, user ones too (a preset picks another with ``- override
+    parallelism: fsdp2``). Registered when a config is first composed: Hydra is imported only by what composes
+    (~0.2 s), not by the agents and workers, which load a run's resolved config.yaml with OmegaConf alone."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="_orch_schema_typed", node=OrchConfig)
+    ConfigStore.instance().store(name=SCHEMA_NAME, node={"defaults": ["_orch_schema_typed", {"logger": "none"},
+                                                                  {"parallelism": "ddp"}, "_self_"]})
 
 
 CONF_PATH_ENV = "ORCH_CONF_PATH"  # extra preset directories, searched after orch's own (os.pathsep-separated)
@@ -103,6 +106,10 @@ def compose_dictconfig(preset: str, overrides: Sequence[str] = ()) -> DictConfig
     primary = next(d for d in dirs if (d / f"{preset}.yaml").is_file())
     rest = [d for d in dirs if d != primary]
     searchpath = [f"hydra.searchpath=[{','.join(f'file://{d}' for d in rest)}]"] if rest else []
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    register_schema()
     try:
         with own_hydra(), initialize_config_dir(config_dir=str(primary), version_base="1.3"):
             return compose(config_name=preset, overrides=list(overrides) + searchpath)
@@ -149,6 +156,10 @@ def own_hydra() -> Iterator[None]:
     from a Hydra app): its ``GlobalHydra`` and version base are process-wide singletons. They are taken out
     (not cleared: clearing would empty the caller's instance) and put back afterwards, whatever happens.
     """
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.singleton import Singleton
+    from hydra.version import VersionBase
+
     saved = {cls: Singleton._instances.pop(cls, None) for cls in (GlobalHydra, VersionBase)}
     try:
         yield
