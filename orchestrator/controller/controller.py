@@ -131,7 +131,7 @@ class Controller:
             return state
         self._boot_standbys()
         self._end_hung_nodes()
-        # An agent that finished cleanly means training reached its end (per_step's groups finish one by one):
+        # An agent that finished cleanly means training reached its end (a mode's replica groups may finish one by one):
         # no node is added or replaced any more, and none is missed.
         decision = ScalingDecision() if self.any_finished else self._scale(grow=self.loss_t is None or bool(self._replace))
         if decision.fail_reason:

@@ -85,7 +85,7 @@ class WorkerView:
     def first_step_since(self, t: float) -> Optional[FirstStep]:
         """The first step completed at or after ``t``: an attempt's ``first_step`` or a new quorum's, else (read
         at most every BEATS_EVERY_S) the earliest step completion at or after ``t`` that a worker's heartbeat
-        shows, to within a heartbeat. The job may go on without either event: per_step's survivors commit
+        shows, to within a heartbeat. The job may go on without either event: a mode's survivors may commit
         their first step without the lost group before the controller sees its agent go (a Ray node's death is
         known a second or two late), and a node lost before it joined any round (a restart mode scale-up) cut
         no survivor's training short. A step needs every rank of its round, so none completes after a loss

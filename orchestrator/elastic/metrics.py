@@ -4,7 +4,7 @@ experiment trackers, and a progress line on stdout.
 A record covers a *window*: the steps since the previous record. Its ``samples_per_s`` and ``step_time_s``
 are means over that window (orchestrator/report/efficiency.py rebuilds totals from them), ``loss`` and any
 extra metrics are means over the job's ranks of the logged step (the process group's all-reduce, then the
-fault-tolerance mode's mean over what the process group does not span: per_step's other groups), ``timing`` is the step timer's per-phase breakdown
+fault-tolerance mode's mean over what the process group does not span: the other replica groups), ``timing`` is the step timer's per-phase breakdown
 (orchestrator/runtime/timing.py), when one is used. The all-reduce runs only on logging steps, which every
 rank agrees on (``step % log_every == 0`` or the last step), to keep the loop lean.
 """

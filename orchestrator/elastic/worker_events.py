@@ -22,7 +22,7 @@ from orchestrator.runtime.timing import StartupTimes, latest_over_ranks
 
 class WorkerEvents:
     """One worker's writer of the run's events; nothing is written without a run dir (``run_dir`` None).
-    ``ctx``: who this worker is (its ``is_main`` may move from step to step: per_step's leading group)."""
+    ``ctx``: who this worker is (its ``is_main`` may move from step to step: the leading replica group)."""
 
     def __init__(self, run_dir: Optional[str], ctx: DistContext):
         self.log = EventLog(run_dir) if run_dir is not None else None

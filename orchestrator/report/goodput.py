@@ -20,7 +20,7 @@ to ``run_finished``) is then productive step time plus these badput categories, 
 - ``shutdown_s``: after the last logged step until the run finished (final checkpoint wait, processes
   exiting, agents collected).
 - a fault-tolerance mode's own categories, inside the step windows, which its workers log per metrics window
-  (a record's ``ft``: ``{"<category>_s": seconds}``); ``fault_tolerance.mode=per_step`` logs ``quorum_wait_s``,
+  (a record's ``ft``: ``{"<category>_s": seconds}``); a mode with quorums logs ``quorum_wait_s``,
   ``healing_s``, ``discarded_s``: the leading group's time forming each step's quorum, in quorums where a group
   healed (a new or returning one loading a peer's state), and in steps that did not commit (redone by the
   next quorum).

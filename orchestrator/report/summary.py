@@ -35,11 +35,11 @@ def root_cause(events: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     return None
 
 
-WORLD_EVENTS = (EventName.RENDEZVOUS_COMPLETE, EventName.QUORUM_CHANGED)  # a round's world; per_step: a quorum's
+WORLD_EVENTS = (EventName.RENDEZVOUS_COMPLETE, EventName.QUORUM_CHANGED)  # a round's world, or a quorum's
 
 
 def world_size_history(events: list[dict[str, Any]]) -> list[int]:
-    """World sizes of successive rendezvous rounds (per_step: quorums), consecutive repeats collapsed:
+    """World sizes of successive rendezvous rounds (or quorums), consecutive repeats collapsed:
     [2, 1, 2] = shrink, grow."""
     history: list[int] = []
     for e in events:
@@ -51,7 +51,7 @@ def world_size_history(events: list[dict[str, Any]]) -> list[int]:
 # partition: orch testcluster; hang: its node ended; node_preempted: a node left on a notice (every script style)
 LOSS_EVENTS = (EventName.CHAOS_KILL, EventName.NODE_LOST, EventName.CHAOS_PARTITION, EventName.HANG_DETECTED,
                EventName.NODE_PREEMPTED)
-STEP_EVENTS = (EventName.RECOVERED, EventName.FIRST_STEP, EventName.QUORUM_CHANGED)  # quorum_changed: per_step survivors
+STEP_EVENTS = (EventName.RECOVERED, EventName.FIRST_STEP, EventName.QUORUM_CHANGED)  # quorum_changed: survivors without a restart
 
 
 def recoveries(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -76,7 +76,7 @@ def recoveries(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def final_training(events: list[dict[str, Any]]) -> dict[str, Any]:
     """The last ``training_finished`` that knows its loss, else the last one ({} if none). Several groups
-    finish a per_step run, and one that never logged a step (a late joiner) has ``final_loss`` null."""
+    finish a run with replica groups, and one that never logged a step (a late joiner) has ``final_loss`` null."""
     finished = [e for e in events if e["event"] == EventName.TRAINING_FINISHED]
     with_loss = [e for e in finished if e.get("final_loss") is not None]
     return (with_loss or finished or [{}])[-1]

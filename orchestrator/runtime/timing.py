@@ -132,7 +132,7 @@ class NullStepTimer(StepTimer):
         self.comm_seconds = 0.0
 
     def register(self, ddp, hook: Optional[Callable] = None) -> None:
-        if hook is not None:  # a hook that does work (per_step's cross-group average) still runs, untimed
+        if hook is not None:  # a hook that does work (a fault-tolerance mode's cross-group average) still runs, untimed
             ddp.register_comm_hook(None, hook)
 
     def mark(self) -> None:
