@@ -66,9 +66,23 @@ def _pair(monkeypatch):
     return store, [process_group("gloo", TIMEOUT, hold_s=1.0) for _ in range(2)]
 
 
-def _reconfigure(pgs, quorum_id: int) -> None:
+def _reconfigure(pgs, quorum_id: int, monkeypatch) -> None:
+    """Both process groups made at once, as two workers' are. Here both live in this one process, so each one's
+    "before" snapshot of the process's sockets is taken before either opens any: otherwise a slow thread's
+    snapshot would hold the other's new listener, and its pairs to it would not count as its own (only in this
+    test: a worker makes one process group at a time)."""
     from torchft.process_group import ReconfigureOptions
 
+    real, together, mine = sockets.open_sockets, threading.Barrier(len(pgs)), threading.local()
+
+    def snapshot_together() -> sockets.Sockets:
+        found = real()
+        if not getattr(mine, "snapped", False):  # the first call of each thread is its "before"
+            mine.snapped = True
+            together.wait(30)
+        return found
+
+    monkeypatch.setattr(sockets, "open_sockets", snapshot_together)
     opts = ReconfigureOptions()
     opts.uuid, opts.handles, opts.timeout = quorum_id, [pg.get_reconfigure_handle() for pg in pgs], TIMEOUT
     threads = [threading.Thread(target=lambda pg=pg: pg.reconfigure(opts).wait()) for pg in pgs]
@@ -89,7 +103,7 @@ def _allreduce(pg, value: float):
 
 def test_an_abort_ends_a_collective_waiting_on_a_frozen_peer_at_once_and_only_for_its_own_quorum(monkeypatch):
     store, (a, b) = _pair(monkeypatch)
-    _reconfigure([a, b], 1)
+    _reconfigure([a, b], 1, monkeypatch)
     works = [_allreduce(pg, v) for pg, v in ((a, 1.0), (b, 2.0))]
     for work, tensor in works:
         work.wait()
@@ -110,7 +124,7 @@ def test_an_abort_ends_a_collective_waiting_on_a_frozen_peer_at_once_and_only_fo
     assert time.monotonic() - started < 10
     # The next quorum's process group works, and an abort meant for the earlier one leaves it alone.
     b.abort_if()
-    _reconfigure([a, b], 2)
+    _reconfigure([a, b], 2, monkeypatch)
     assert not a.abort_if(first)
     works = [_allreduce(pg, v) for pg, v in ((a, 1.0), (b, 5.0))]
     for work, tensor in works:
