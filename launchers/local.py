@@ -20,8 +20,6 @@ from launchers.runner import SiteBase
 from orchestrator.config.schema import OrchConfig
 from orchestrator.controller.api import NodePool, RunHooks
 from orchestrator.controller.pools.local import LocalNodePool
-from orchestrator.processes import WarmInterpreter, close_warm
-from orchestrator.rendezvous.args import AGENT_MODULE, WARM_MODULE
 from orchestrator.rundir import EventLog
 
 LOCAL_ADDR_ENV = "PET_LOCAL_ADDR"  # torchrun's --local-addr; orch's manifests set it to the pod IP
@@ -31,24 +29,13 @@ class LocalSite(SiteBase):
     """Every node on this machine, as a process of this launch."""
 
     name = "local"
-    warm: list[WarmInterpreter]
 
     def store_host(self) -> Optional[str]:
         return None if self.cfg.rendezvous.external else self.cfg.rendezvous.host
 
-    def connect(self) -> None:
-        # Each node's agent interpreter starts now (the launch has passed its checks) and imports torch's
-        # elastic agent while the store, the run dir and the plan are made: ~0.3 s sooner to the first step.
-        run = {"ORCH_RUN_DIR": self.cfg.run.dir, "ORCH_RUN_ID": self.run_id}  # whose agent it is, for orch chaos
-        self.warm = [WarmInterpreter(WARM_MODULE, AGENT_MODULE, run) for _ in self.node_indexes]
-
     def start(self, events: EventLog, store: Any, since: float) -> tuple[NodePool, RunHooks]:
         # Room for every node and, on a notice, its standby: simulated nodes share this machine.
-        return LocalNodePool(slots=2 * len(self.node_indexes), echo=self.echo, warm=self.warm), RunHooks()
-
-    def close(self, pool: Optional[NodePool], hooks: Optional[RunHooks]) -> None:
-        close_warm(getattr(self, "warm", []))  # the launch ended before its pool took them
-        super().close(pool, hooks)
+        return LocalNodePool(slots=2 * len(self.node_indexes), echo=self.echo), RunHooks()
 
 
 class PodHooks(RunHooks):

@@ -23,7 +23,6 @@ from orchestrator.rundir import NODES_FILE, EventLog, EventName, latest_launch
 
 AGENT_MODULE = "torch.distributed.run"
 TUNNEL_MODULE = "orchestrator.rendezvous.agent"  # what the controller runs in torchrun's place when the store is gated
-WARM_MODULE = "orchestrator.rendezvous.warm"  # the same, started ahead by the local launcher (its start env names the run)
 
 
 def node_pids(run_dir: str) -> dict[int, int]:
@@ -81,7 +80,7 @@ def _agent_mismatch(pid: int, run_dir: str, run_id: Optional[str]) -> Optional[s
     except psutil.AccessDenied:
         return "cannot be inspected (permission denied)"
     shown = " ".join(cmdline)[:80] or proc.name()
-    if not {AGENT_MODULE, TUNNEL_MODULE, WARM_MODULE} & set(cmdline):  # torchrun, or torchrun behind orch's tunnel
+    if not {AGENT_MODULE, TUNNEL_MODULE} & set(cmdline):  # torchrun, or torchrun behind orch's store tunnel
         return f"is not a torchrun agent ({shown!r})"
     if run_id and any(_own_rdzv_id(a, run_id) for a in cmdline):
         return None

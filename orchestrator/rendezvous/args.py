@@ -41,7 +41,6 @@ def rendezvous_argv(endpoint: str, run_id: str, conf: str) -> tuple[str, ...]:
 
 
 AGENT_MODULE = "orchestrator.rendezvous.agent"
-WARM_MODULE = "orchestrator.rendezvous.warm"  # an agent interpreter started ahead, which becomes AGENT_MODULE
 """What runs in torchrun's place when the store is gated: torchrun behind relays and orch's rendezvous backend
 (:mod:`orchestrator.rendezvous.agent`)."""
 
