@@ -9,8 +9,7 @@ workers and the checkpoint tools need.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from orchestrator.plugins import lazy_exports
 
 _EXPORTS = {
     "CheckpointError": "errors", "CheckpointFenced": "errors", "CheckpointSetupError": "errors",
@@ -22,11 +21,4 @@ _EXPORTS = {
     "CheckpointStorage": "storage", "step_dirname": "storage",
 }
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -5,17 +5,9 @@ without composing's Hydra, which agents and workers do not need."""
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from orchestrator.plugins import lazy_exports
 
-_EXPORTS = {"OrchConfig": "orchestrator.config.schema", "compose_config": "orchestrator.config.compose",
-            "list_presets": "orchestrator.config.compose", "list_groups": "orchestrator.config.compose",
-            "load_run_config": "orchestrator.config.compose"}
-
-__all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+_EXPORTS = {"OrchConfig": "schema", "compose_config": "compose", "list_presets": "compose",
+            "list_groups": "compose", "load_run_config": "compose"}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

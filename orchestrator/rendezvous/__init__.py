@@ -7,18 +7,8 @@ arguments (``args``), the rounds a watch follows (``rounds``), and torch's priva
 
 from __future__ import annotations
 
-from typing import Any
+from orchestrator.plugins import lazy_exports
 
-__all__ = ["RendezvousStore", "RoundWatch"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "RendezvousStore":
-        from orchestrator.rendezvous.store import RendezvousStore
-
-        return RendezvousStore
-    if name == "RoundWatch":
-        from orchestrator.rendezvous.rounds import RoundWatch
-
-        return RoundWatch
-    raise AttributeError(f"module 'orchestrator.rendezvous' has no attribute {name!r}")
+_EXPORTS = {"RendezvousStore": "store", "RoundWatch": "rounds"}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
