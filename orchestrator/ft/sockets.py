@@ -12,9 +12,10 @@ returns, so its sockets are the ones that appeared meanwhile: :func:`opened_sinc
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-from typing import Optional
+from typing import Iterator, Optional
 
 Sockets = dict[int, int]  # fd -> the socket's inode (an fd number is reused once closed; the inode is not)
 
@@ -36,31 +37,41 @@ def open_sockets() -> Sockets:
     return found
 
 
-def _inspect(fd: int, inode: int) -> Optional[tuple[bool, tuple, Optional[tuple]]]:
-    """(listening, local address, peer address or None) of TCP socket ``fd`` if it still is socket ``inode``."""
+@contextlib.contextmanager
+def _pinned(fd: int, inode: int) -> Iterator[Optional[socket.socket]]:
+    """Socket ``fd`` through a duplicate of the fd (which pins the socket whatever happens to ``fd`` meanwhile),
+    if it still is socket ``inode``; else None. Only the duplicate is closed afterwards."""
     try:
         dup = os.dup(fd)
     except OSError:
-        return None
+        yield None
+        return
     try:
         sock = socket.socket(fileno=dup)
     except OSError:
         os.close(dup)
-        return None
+        yield None
+        return
     try:
-        if os.fstat(sock.fileno()).st_ino != inode or sock.type != socket.SOCK_STREAM or \
-                sock.family not in (socket.AF_INET, socket.AF_INET6):
-            return None
-        listening = bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
-        try:
-            peer: Optional[tuple] = sock.getpeername()[:2]
-        except OSError:
-            peer = None
-        return listening, sock.getsockname()[:2], peer
-    except OSError:
-        return None
+        yield sock if os.fstat(dup).st_ino == inode else None
     finally:
-        sock.close()  # the duplicate only
+        sock.close()
+
+
+def _inspect(fd: int, inode: int) -> Optional[tuple[bool, tuple, Optional[tuple]]]:
+    """(listening, local address, peer address or None) of TCP socket ``fd`` if it still is socket ``inode``."""
+    with _pinned(fd, inode) as sock:
+        if sock is None or sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return None
+        try:
+            listening = bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+            try:
+                peer: Optional[tuple] = sock.getpeername()[:2]
+            except OSError:
+                peer = None
+            return listening, sock.getsockname()[:2], peer
+        except OSError:
+            return None
 
 
 def opened_since(before: Sockets) -> list[tuple[int, int]]:
@@ -104,21 +115,13 @@ def cut(sockets: list[tuple[int, int]]) -> int:
     their owner to close. Never a listening socket (gloo's listener thread dies on one). Returns how many."""
     done = 0
     for fd, inode in sockets:
-        try:
-            dup = os.dup(fd)  # pins the socket the fd names now, whatever happens to the fd meanwhile
-        except OSError:
-            continue
-        try:
-            sock = socket.socket(fileno=dup)
-        except OSError:
-            os.close(dup)
-            continue
-        try:
-            if os.fstat(dup).st_ino == inode and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                sock.shutdown(socket.SHUT_RDWR)
-                done += 1
-        except OSError:
-            pass  # not connected any more
-        finally:
-            sock.close()  # the duplicate only
+        with _pinned(fd, inode) as sock:
+            if sock is None:
+                continue
+            try:
+                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    sock.shutdown(socket.SHUT_RDWR)
+                    done += 1
+            except OSError:
+                pass  # not connected any more
     return done
