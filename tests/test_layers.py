@@ -24,22 +24,28 @@ def test_the_layer_contracts_hold(monkeypatch, capsys):
     assert status == EXIT_STATUS_SUCCESS, capsys.readouterr().out[-8000:]
 
 
+def imported_by(modules: list[str], package: str) -> bool:
+    """Whether importing ``modules`` in a fresh interpreter imports ``package``."""
+    import subprocess
+    import sys
+
+    code = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\nprint({package!r} in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0 and result.stdout.strip() in ("True", "False"), result.stderr[-3000:]
+    return result.stdout.strip() == "True"
+
+
 @pytest.mark.slow
 def test_the_driver_imports_no_torch():
     """The launch command's own modules (config, plan, site, controller, run dir, reports) import no torch:
     only the workers and the checkpoint tools need it, and importing it costs the driver 2-3 s of CPU at every
     launch, on the cores its agents are starting on. (Config checks that need a target remember what they
     learned: orchestrator/config/checked_targets.py.)"""
-    import subprocess
-    import sys
-
     driver = ["orchestrator.cli", "orchestrator.launch", "launchers.runner", "launchers.local", "launchers.ray",
               "launchers.testcluster", "orchestrator.controller.controller", "orchestrator.preflight",
               "orchestrator.report.summary", "orchestrator.checkpoint.lease", "orchestrator.rendezvous.store",
               "orchestrator.ft.driver", "orchestrator.ft.quorum", "orchestrator.tracking.run_end"]
-    code = f"import importlib, sys\nfor m in {driver!r}: importlib.import_module(m)\nprint('torch' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr[-3000:]
+    assert not imported_by(driver, "torch")
 
 
 @pytest.mark.slow
@@ -47,13 +53,7 @@ def test_agents_and_the_elastic_api_import_no_hydra():
     """A node's agent and a user script's worker (the elastic API) load the run's resolved config.yaml with
     OmegaConf; Hydra's composing is the driver's (importing it cost each of them ~0.2 s of a launch's start).
     The built-in trainer imports hydra.utils for ``instantiate`` alone."""
-    import subprocess
-    import sys
-
-    node = ["orchestrator.rendezvous.agent", "orchestrator.elastic"]
-    code = f"import importlib, sys\nfor m in {node!r}: importlib.import_module(m)\nprint('hydra' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr[-3000:]
+    assert not imported_by(["orchestrator.rendezvous.agent", "orchestrator.elastic"], "hydra")
 
 
 CORE_PATH = ["orchestrator/plan", "orchestrator/controller", "orchestrator/launch.py", "orchestrator/rundir.py",
