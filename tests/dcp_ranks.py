@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from orchestrator.trainer.train import leave
+
 DIM, GLOBAL_BATCH = 16, 12
 
 
@@ -74,6 +76,9 @@ def _rank(rank: int, world: int, store_dir: str, phases: tuple[dict, ...]) -> No
             json.dump(results, f)
     finally:
         dist.destroy_process_group()
+    # As orch's trainer leaves: a normal interpreter exit after gloo could abort the rank (SIGABRT, "terminate
+    # called without an active exception": a gloo thread that needs the GIL while the interpreter finalizes).
+    leave(0)
 
 
 def _phase(rank: int, world: int, url: str, steps: int, strategy: str = "ddp", save_at: tuple = (),
