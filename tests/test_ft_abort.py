@@ -145,12 +145,42 @@ def test_a_workers_abort_on_news_of_a_drop_is_for_the_quorum_it_trains_in_only()
     aborted: list[object] = []
     inner = object()
     pg = SimpleNamespace(abort_if=lambda which: aborted.append(which) or True)
-    group = SimpleNamespace(_pg=pg, _in_use=(7, inner), _lost="")
+    group = SimpleNamespace(_pg=pg, _in_use=(7, inner), _lost="", _wanted=threading.Lock(), _requorum=False)
     group._abort_once = lambda which=None: ReplicaGroup._abort_once(group, which)
     ReplicaGroup._peer_dropped(group, 6, ["b:2"])  # an earlier quorum's news
     assert aborted == [] and group._lost == ""
+    assert group._requorum, "any drop: the next step asks for a quorum (a steady one does not go on)"
     ReplicaGroup._peer_dropped(group, 7, ["b:2", "c:3"])
     assert aborted == [inner] and group._lost == "quorum 7 lost b:2, c:3 (aborted at once)"
     group._in_use = (8, None)  # no process group made for it (its reconfiguration failed): nothing to abort
     ReplicaGroup._peer_dropped(group, 8, ["b:2"])
     assert aborted == [inner]
+
+
+def test_a_steady_step_is_aborted_only_when_another_member_wants_a_quorum_for_it():
+    """ReplicaGroup._quorum_wanted (the watch thread's call, steady quorums): any news makes the next step ask
+    for a quorum; the process group is aborted only when another member of the quorum asks for one for a step
+    this worker trains without asking (its collectives would wait for that member for ever), never for a group
+    outside the quorum asking to join, nor for an earlier step than the one trained."""
+    from types import SimpleNamespace
+
+    from orchestrator.ft.replica import ReplicaGroup
+
+    aborted: list[object] = []
+    inner = object()
+    pg = SimpleNamespace(abort_if=lambda which: aborted.append(which) or True)
+    group = SimpleNamespace(_pg=pg, _in_use=(7, inner), _lost="", _wanted=threading.Lock(), _requorum=False,
+                            _steady_at=12)
+    group._abort_once = lambda which=None: ReplicaGroup._abort_once(group, which)
+    ReplicaGroup._quorum_wanted(group, 7, 1, None)  # a group outside it asks to join
+    assert group._requorum and aborted == []
+    ReplicaGroup._quorum_wanted(group, 7, 2, 13)  # a member asks for the step after the one trained
+    assert aborted == []
+    ReplicaGroup._quorum_wanted(group, 6, 2, 12)  # news of an earlier quorum
+    assert aborted == []
+    group._steady_at = None  # between steps, or in a step that asked: the next quorum has everyone
+    ReplicaGroup._quorum_wanted(group, 7, 2, 12)
+    assert aborted == []
+    group._steady_at = 12
+    ReplicaGroup._quorum_wanted(group, 7, 2, 12)
+    assert aborted == [inner] and group._lost == "quorum 7 wanted anew for step 12 (aborted at once)"

@@ -228,6 +228,42 @@ def test_a_watch_is_answered_at_once_when_a_member_of_its_quorum_is_dropped_and_
         svc.close()
 
 
+def steady_watch(svc: QuorumService, rid: str, quorum_id: int, seen: int = 0, timeout_s: float = 5.0) -> dict:
+    return svc.call({"op": "watch", "replica_id": rid, "group_rank": 0, "quorum_id": quorum_id,
+                     "timeout_s": timeout_s, "steady": True, "seen": seen})
+
+
+def test_a_steady_quorum_is_told_when_it_is_wanted_anew_by_a_joiner_then_by_a_member():
+    """A steady quorum's members ask for no quorum per step; their watches say when one is wanted: 1 when a
+    group outside it asks to join, 2 (with the step) once a member of it asks too. A watch that knows the level
+    hears nothing more of it; a plain watch (a group that asks every step) never hears of it."""
+    svc = service(join_ms=60_000)
+    try:
+        register(svc, "a:1", "b:2")
+        q = all_ask(svc, {"a:1": 5, "b:2": 5})[("a:1", 0)]["quorum_id"]
+        assert steady_watch(svc, "a:1", q, timeout_s=0.2) == {"quorum_id": q, "dropped": [], "wanted": 0,
+                                                             "at_step": None}, "nobody asks: no news"
+        register(svc, "c:3")
+        with ThreadPoolExecutor(4) as pool:
+            held = pool.submit(steady_watch, svc, "a:1", q)
+            time.sleep(0.2)
+            assert not held.done()
+            joiner = pool.submit(ask, svc, "c:3", 0, 0)  # a group that comes back asks to join
+            assert held.result(timeout=2) == {"quorum_id": q, "dropped": [], "wanted": 1, "at_step": None}
+            assert steady_watch(svc, "b:2", q, seen=1, timeout_s=0.2)["wanted"] == 1, "known: answered on time"
+            assert watch(svc, "b:2", q, timeout_s=0.2) == {"quorum_id": q, "dropped": []}, "a plain watch: no news"
+            b_asks = pool.submit(ask, svc, "b:2", 0, 6)  # b comes to the next quorum at its step boundary ...
+            assert wait_pending(svc, "b:2")
+            # ... while a trains step 6 in q without asking: b will never join that step's collectives there.
+            assert steady_watch(svc, "a:1", q, seen=1) == {"quorum_id": q, "dropped": [], "wanted": 2, "at_step": 6}
+            a_asks = pool.submit(ask, svc, "a:1", 0, 6)
+            new = {f.result(timeout=5)["quorum_id"] for f in (joiner, b_asks, a_asks)}
+        assert len(new) == 1 and new != {q}, "one quorum with the joiner, under a new id"
+        assert steady_watch(svc, "a:1", new.pop(), timeout_s=0.2)["wanted"] == 0, "answered: wanted no more"
+    finally:
+        svc.close()
+
+
 def test_a_watch_hears_of_a_member_whose_heartbeats_aged_out_and_of_no_other_quorum():
     """A frozen group (a stopped process, a frozen VM) closes nothing: only its silence tells."""
     clock = Clock()

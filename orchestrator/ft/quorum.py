@@ -28,6 +28,12 @@ trains in (op ``watch``, long-polled by one thread per worker, :mod:`orchestrato
 soon as another member of that quorum stops being healthy (dropped, left, its heartbeats aged out or its
 heartbeat connection closed), so that it aborts a cross-group collective that would otherwise wait out
 ``collective_timeout_s`` for a peer that froze without closing its connections.
+
+The same watch lets a *steady* quorum go on without a round trip per step (``"steady": true``; groups of one
+rank, see :mod:`orchestrator.ft.replica`): its members train step after step in it without asking, and are
+told when it is wanted anew. ``wanted`` 1: a group outside it asks to join (come to the next quorum at your
+next step boundary); 2: another member asks already, for step ``at_step`` (a collective of that step on the
+old quorum will never complete: abort it).
 """
 
 from __future__ import annotations
@@ -279,6 +285,7 @@ class QuorumService:
                                 {r: str(q["reconfigure_handle"]) for r, q in group.pending.items()}, self.clock())
                 self._participants[rid] = member
                 self._evaluate()
+                self._lock.notify_all()  # a steady quorum's watchers: it is wanted anew
             deadline = time.monotonic() + timeout_s
             while (rid, rank) not in self._results:
                 left = deadline - time.monotonic()
@@ -324,8 +331,11 @@ class QuorumService:
         group is no longer healthy (``{"quorum_id", "dropped": [replica ids]}``, at once if one already is), else
         after ``timeout_s`` (at most :data:`WATCH_MAX_S`) with ``"dropped": []``; the same when its group is out,
         the service closes, or a newer watch of the same rank takes its place. One watch per rank of a registered
-        group is held at a time, and the one held for a caller that hung up ends within :data:`WATCH_POLL_S`."""
+        group is held at a time, and the one held for a caller that hung up ends within :data:`WATCH_POLL_S`.
+        With ``steady`` the answer also says how much the quorum is wanted anew (``wanted``, ``at_step``: see the
+        module's doc), and comes as soon as that is more than ``seen``, the level the watcher already knows."""
         rank, quorum_id = int(request["group_rank"]), int(request["quorum_id"])
+        steady, seen = bool(request.get("steady")), int(request.get("seen", 0))
         deadline = time.monotonic() + min(max(0.0, float(request["timeout_s"])), WATCH_MAX_S)
         key, token = (rid, rank), object()
         with self._lock:
@@ -339,11 +349,13 @@ class QuorumService:
             try:
                 while True:
                     dropped, ages_out_s = self._gone_from(quorum_id, rid)
-                    if dropped:
-                        return {"quorum_id": quorum_id, "dropped": dropped}
+                    wanted = self._wanted(quorum_id, rid) if steady else None
+                    news = {"wanted": wanted[0], "at_step": wanted[1]} if wanted is not None else {}
+                    if dropped or (wanted is not None and wanted[0] > seen):
+                        return {"quorum_id": quorum_id, "dropped": dropped, **news}
                     if self._watchers.get(key) is not token or rid not in self._groups or self._closed \
                             or time.monotonic() >= deadline or hung_up():
-                        return {"quorum_id": quorum_id, "dropped": []}
+                        return {"quorum_id": quorum_id, "dropped": [], **news}
                     # A drop, a leave or a closed connection wakes it; a heartbeat ageing out it sees when due (at
                     # most ``WATCH_POLL_S`` apart, so a caller that hung up is noticed).
                     self._lock.wait(max(0.0, min(deadline - time.monotonic(), WATCH_POLL_S,
@@ -351,6 +363,16 @@ class QuorumService:
             finally:
                 if self._watchers.get(key) is token:
                     del self._watchers[key]
+
+    def _wanted(self, quorum_id: int, rid: str) -> tuple[int, Optional[int]]:
+        """Whether steady quorum ``quorum_id`` is wanted anew, for its member ``rid``: (2, the step they ask for)
+        when other members of it ask for a quorum, (1, None) when only healthy groups outside it do, else (0,
+        None)."""
+        members = self._members.get(quorum_id, ())
+        healthy = self._healthy(self.clock())
+        asking = [m for r, m in self._participants.items() if r != rid and r in healthy]
+        inside = [m.step for m in asking if m.replica_id in members]
+        return (2, min(inside)) if inside else (1, None) if asking else (0, None)
 
     def _gone_from(self, quorum_id: int, rid: str) -> tuple[list[str], float]:
         """The members of quorum ``quorum_id`` but ``rid`` that are not healthy now (none for a quorum no longer

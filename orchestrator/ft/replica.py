@@ -146,6 +146,12 @@ class ReplicaGroup(_ReplicaRecords):
         self._in_use: Optional[tuple[int, Any]] = None  # (quorum id, the process group it runs on) of this step
         self._lost = ""  # why the quorum in use was aborted by the watch, if it was
         self._snapshot: dict[str, Any] = {}
+        # A steady quorum (see _steady_step): a group of one rank trains on in the quorum it is in without asking
+        # for one per step, until it is wanted anew (the watch says so), a step is discarded, or it restored.
+        self._steady_ok = ctx.world_size == 1
+        self._wanted = threading.Lock()  # the watch's news against the step this worker is in
+        self._requorum = True  # the next step asks for a quorum
+        self._steady_at: Optional[int] = None  # the step being trained without asking (its Manager step)
         self._quorum_s = self._step_t0 = 0.0
         self._quorum_started: Optional[float] = None  # while this group is in a quorum
         self._loaded_at: Optional[float] = None  # when this group took over a peer's state in this quorum
@@ -177,6 +183,8 @@ class ReplicaGroup(_ReplicaRecords):
         ``collective_timeout_s`` for a peer that may be frozen with its connections open. A step whose
         collectives all finished keeps its result (the dropped group's gradients were in it). Nothing for a
         quorum this worker already left behind (its process group was reconfigured since)."""
+        with self._wanted:
+            self._requorum = True
         in_use = self._in_use
         if in_use is None or in_use[0] != quorum_id or in_use[1] is None:
             return
@@ -216,7 +224,8 @@ class ReplicaGroup(_ReplicaRecords):
         heartbeating groups must join), so it starts only when this group is ready to train."""
         if self._manager is None:
             self._manager = self._make_manager()
-            self._watch = QuorumWatch(self._manager._client.replica_id, self.ctx.rank, self._peer_dropped)
+            self._watch = QuorumWatch(self._manager._client.replica_id, self.ctx.rank, self._peer_dropped,
+                                      on_wanted=self._quorum_wanted if self._steady_ok else None)
         return self._manager
 
     # -- the state a peer sends and a healing group loads ---------------------------------------------------
@@ -271,6 +280,8 @@ class ReplicaGroup(_ReplicaRecords):
         quorum was asked for at the last commit (then this waits for what is left of it), else it is now."""
         if self._began:
             return
+        if self._steady_step():
+            return
         started = time.perf_counter()
         self.healed_from, self._quorum_started, self._loaded_at = None, started, None
         if not self._ahead:
@@ -293,17 +304,16 @@ class ReplicaGroup(_ReplicaRecords):
         healing = self.healed_from is not None or self.transport.staged != self._staged
         counted = ended - (self._loaded_at if self._loaded_at is not None else started)
         self.window["healing_s" if healing else "quorum_wait_s"] += counted
-        self._step_t0 = time.perf_counter()
-        self._snapshot = self._take_snapshot()  # after healing: a discarded step goes back to the healed state
+        with self._wanted:
+            self._requorum = not self._steady_ok  # news from here on is of this quorum
         self.participants = self.manager.num_participants()
         self.participating_rank = self.manager.participating_rank()
         self.ctx.leader = self.participating_rank == 0
         self.ctx.replicas = max(1, self.participants)
-        self._began, self._synced, self.committed, self._error = True, False, None, ""
         self._follow_quorum()
         if not self.buckets.bound:
             self.buckets.bind(self._trainable(), self._issue)
-        self.buckets.start_step()
+        self._start_training()
         if self.healed_from is not None and self.healed_from["step"] > 0:  # step 0: torchft's initial weight sync
             self._send_group(ReplicaHealed(node=self.ctx.node, replica_id=self.replica_id,
                                            source_replica=self.healed_from["replica_id"],
@@ -312,14 +322,45 @@ class ReplicaGroup(_ReplicaRecords):
                                            params_sha256=self.healed_from["loaded_sha256"],
                                            source_params_sha256=self.healed_from["params_sha256"]))
 
+    def _steady_step(self) -> bool:
+        """Begin this step in the quorum of the last one, without asking (a steady quorum): if this group is of
+        one rank (it decides alone), its last step committed, no quorum was asked for ahead, and the watch
+        brought no news since the quorum formed. A step that was wanted elsewhere meanwhile is aborted by
+        :meth:`_quorum_wanted` (its collectives would wait for a member that asks for the next quorum)."""
+        with self._wanted:
+            if self._requorum or self._ahead or not self.committed:
+                return False
+            self._steady_at = self.manager._step  # the step a member asking for the next quorum would name
+        self._start_training()
+        return True
+
+    def _start_training(self) -> None:
+        self._step_t0 = time.perf_counter()
+        self._snapshot = self._take_snapshot()  # after healing: a discarded step goes back to the healed state
+        self._began, self._synced, self.committed, self._error = True, False, None, ""
+        self.buckets.start_step()
+
+    def _quorum_wanted(self, quorum_id: int, level: int, at_step: Optional[int]) -> None:
+        """The watch's news (its own thread): quorum ``quorum_id`` is wanted anew, by a group outside it (level 1)
+        or by another member, for step ``at_step`` (level 2). The next step asks for a quorum; a step this worker
+        trains without asking in that quorum, at or after ``at_step``, is aborted now: that member is not in it."""
+        with self._wanted:
+            self._requorum = True
+            steady_at = self._steady_at
+        in_use = self._in_use
+        if level >= 2 and at_step is not None and steady_at is not None and steady_at >= at_step \
+                and in_use is not None and in_use[0] == quorum_id and in_use[1] is not None:
+            self._lost = f"quorum {quorum_id} wanted anew for step {at_step} (aborted at once)"
+            self._abort_once(in_use[1])
+
     def _follow_quorum(self) -> None:
         """Watch the quorum this step trains in (with the process group it runs on), if other groups are in it."""
         quorum_id = self.manager._client.quorum_id
         if self._in_use is None or self._in_use[0] != quorum_id:
             self._lost = ""
         self._in_use = (quorum_id, self._pg_inner()) if quorum_id is not None else None
-        if self._watch is not None:
-            self._watch.follow(quorum_id if self.participants > 1 else None)
+        if self._watch is not None:  # a steady quorum of one group is watched too: for a group that asks to join
+            self._watch.follow(quorum_id if self.participants > 1 or self._steady_ok else None)
 
     def _apply_heal(self) -> None:
         """A group that must heal loads the state its quorum fetched now, before its forward pass: torchft's
@@ -342,6 +383,9 @@ class ReplicaGroup(_ReplicaRecords):
         step = self.state.progress.step + (1 if self.committed else 0)
         if step >= self.max_steps or self._notice_pending():
             return
+        with self._wanted:
+            if self.committed and not self._requorum:
+                return  # the quorum holds (_steady_step); the watch's news makes the next step ask
         self.manager.disallow_state_dict_read()
         self._pg.free.clear()
         self._held = True
@@ -369,6 +413,8 @@ class ReplicaGroup(_ReplicaRecords):
         if step > 0:
             self.manager.load_state_dict({"step": step, "batches_committed": 0})
             self._began = False
+            with self._wanted:
+                self._requorum = True
 
     def membership(self) -> Optional[Membership]:
         return self._membership
@@ -471,6 +517,9 @@ class ReplicaGroup(_ReplicaRecords):
         another set of groups than the last one records ``quorum_changed``. Returns whether it committed."""
         committed = self.commit()
         step = self.state.progress.step + 1
+        with self._wanted:
+            self._steady_at = None
+            self._requorum = self._requorum or not committed
         if not committed:
             self.window["discarded_s"] += time.perf_counter() - self._step_t0
             self._restore_snapshot()
