@@ -232,16 +232,24 @@ def cmd_quorum_service(args: argparse.Namespace) -> int:
                           f"cannot be bound on {args.host} ({e.strerror or e})") from None
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Raw text, and an epilog given as a function is called only when help is printed: listing the presets and
+    config groups reads conf/, which every command would otherwise pay for at its start."""
+
+    def add_text(self, text: Optional[str | Callable[[], str]]) -> None:
+        super().add_text(text() if callable(text) else text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="orch", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="orch", formatter_class=_HelpFormatter,
         description="Elastic distributed training for PyTorch: Hydra configs -> torchrun agents -> checkpoints.",
-        epilog=_launch_epilog())
+        epilog=_launch_epilog)  # type: ignore[arg-type]
     parser.add_argument("--version", action="version", version=f"orch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("launch", help="compose a preset with overrides and run it (or --dry-run)",
-                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_launch_epilog(),
+                       formatter_class=_HelpFormatter, epilog=_launch_epilog,  # type: ignore[arg-type]
                        usage="orch launch conf=NAME [key=value ...] [--dry-run] [--detach] [-m] [--cfg job]")
     p.add_argument("overrides", nargs="*", metavar="conf=NAME | key=value",
                    help="the preset, then Hydra overrides (key=value, +key=value, ~key)")

@@ -64,6 +64,33 @@ def test_an_edit_to_the_targets_package_asks_again_and_its_arguments_are_checked
         check_instantiable("model", {"_target_": "orch_userpkg.models.Net", "width": 2})
 
 
+def test_a_pip_installed_package_is_known_by_its_record_and_a_reinstall_asks_again(tmp_path, monkeypatch):
+    """A distribution pip installed (torch) is fingerprinted by its RECORD, not by statting its thousands of
+    files at every launch: rewriting RECORD (an install or upgrade) changes it, editing a file of a checkout
+    with no dist-info beside it changes it too (its files are walked)."""
+    pkg = tmp_path / "orch_pipped"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    record = tmp_path / "orch_pipped-1.0.dist-info" / "RECORD"
+    record.parent.mkdir()
+    record.write_text("orch_pipped/__init__.py,,\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code_fingerprint.cache_clear()
+    installed = code_fingerprint("orch_pipped")
+    (pkg / "__init__.py").write_text("x = 1\n")  # pip owns the files: only a new install counts
+    code_fingerprint.cache_clear()
+    assert code_fingerprint("orch_pipped") == installed
+    record.write_text("orch_pipped/__init__.py,,\norch_pipped/more.py,,\n")
+    code_fingerprint.cache_clear()
+    assert code_fingerprint("orch_pipped") != installed, "a reinstall is new code"
+    record.parent.rename(tmp_path / "elsewhere")  # no distribution of that name: a checkout, walked
+    code_fingerprint.cache_clear()
+    walked = code_fingerprint("orch_pipped")
+    (pkg / "__init__.py").write_text("x = 22\n")
+    code_fingerprint.cache_clear()
+    assert walked not in (None, installed) and code_fingerprint("orch_pipped") != walked
+
+
 def test_an_unimportable_target_is_refused_every_time():
     for _ in range(2):
         with pytest.raises(ConfigError, match=r"model._target_.*cannot be imported"):
