@@ -20,6 +20,8 @@ from launchers.runner import SiteBase
 from orchestrator.config.schema import OrchConfig
 from orchestrator.controller.api import NodePool, RunHooks
 from orchestrator.controller.pools.local import LocalNodePool
+from orchestrator.processes import WarmInterpreter, close_warm, take_ahead
+from orchestrator.rendezvous.args import AGENT_MODULE, WARM_MODULE
 from orchestrator.rundir import EventLog
 
 LOCAL_ADDR_ENV = "PET_LOCAL_ADDR"  # torchrun's --local-addr; orch's manifests set it to the pod IP
@@ -29,13 +31,27 @@ class LocalSite(SiteBase):
     """Every node on this machine, as a process of this launch."""
 
     name = "local"
+    warm: list[WarmInterpreter]
 
     def store_host(self) -> Optional[str]:
         return None if self.cfg.rendezvous.external else self.cfg.rendezvous.host
 
+    def connect(self) -> None:
+        # Each node's agent interpreter imports torch's elastic agent while the driver hosts the store, writes the
+        # run dir and plans: the one ``orch launch`` started at its first moment (see lifecycle/cli.py), and one
+        # started now for every other node.
+        ahead = take_ahead(AGENT_MODULE)
+        self.warm = ahead[:len(self.node_indexes)]
+        close_warm(ahead[len(self.node_indexes):])
+        self.warm += [WarmInterpreter(WARM_MODULE, AGENT_MODULE) for _ in self.node_indexes[len(self.warm):]]
+
     def start(self, events: EventLog, store: Any, since: float) -> tuple[NodePool, RunHooks]:
         # Room for every node and, on a notice, its standby: simulated nodes share this machine.
-        return LocalNodePool(slots=2 * len(self.node_indexes), echo=self.echo), RunHooks()
+        return LocalNodePool(slots=2 * len(self.node_indexes), echo=self.echo, warm=self.warm), RunHooks()
+
+    def close(self, pool: Optional[NodePool], hooks: Optional[RunHooks]) -> None:
+        close_warm(getattr(self, "warm", []))  # the launch ended before its pool took them
+        super().close(pool, hooks)
 
 
 class PodHooks(RunHooks):

@@ -14,7 +14,7 @@ import os
 import re
 import signal
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from orchestrator.errors import UserError
 from orchestrator.events import ChaosKill, ChaosPreempt
@@ -23,6 +23,7 @@ from orchestrator.rundir import NODES_FILE, EventLog, EventName, latest_launch
 
 AGENT_MODULE = "torch.distributed.run"
 TUNNEL_MODULE = "orchestrator.rendezvous.agent"  # what the controller runs in torchrun's place when the store is gated
+WARM_MODULE = "orchestrator.rendezvous.warm"  # the same, in an interpreter the launch started ahead (its child)
 
 
 def node_pids(run_dir: str) -> dict[int, int]:
@@ -80,6 +81,8 @@ def _agent_mismatch(pid: int, run_dir: str, run_id: Optional[str]) -> Optional[s
     except psutil.AccessDenied:
         return "cannot be inspected (permission denied)"
     shown = " ".join(cmdline)[:80] or proc.name()
+    if WARM_MODULE in cmdline:  # its command line came on its stdin: it is the run's if the run started it
+        return None if _child_of_supervisor(proc, run_dir) else f"is a torchrun agent of another run ({shown!r})"
     if not {AGENT_MODULE, TUNNEL_MODULE} & set(cmdline):  # torchrun, or torchrun behind orch's store tunnel
         return f"is not a torchrun agent ({shown!r})"
     if run_id and any(_own_rdzv_id(a, run_id) for a in cmdline):
@@ -92,6 +95,22 @@ def _agent_mismatch(pid: int, run_dir: str, run_id: Optional[str]) -> Optional[s
     if env_dir and os.path.realpath(os.path.join(cwd, env_dir)) == os.path.realpath(run_dir):
         return None
     return f"is a torchrun agent of another run ({shown!r})"
+
+
+def _child_of_supervisor(proc: Any, run_dir: str) -> bool:
+    """Whether ``proc``'s parent is the supervisor ``run_dir``'s launch record names (its PID and start time:
+    a reused PID is not it)."""
+    import psutil
+
+    from orchestrator.launch_record import read_record
+
+    supervisor = (read_record(run_dir) or {}).get("supervisor") or {}
+    try:
+        parent = proc.parent()
+        return parent is not None and parent.pid == supervisor.get("pid") and \
+            abs(parent.create_time() - float(supervisor.get("create_time", 0))) < 0.01
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
 
 
 def _agent_pid(run_dir: str, node: int) -> int:

@@ -31,6 +31,10 @@ def _launch_epilog() -> str:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
+    from orchestrator.lifecycle.cli import start_agent_ahead
+
+    if not (args.detach or args.dry_run or args.multirun or args.cfg):
+        start_agent_ahead(args.overrides)  # before composing: its torch import overlaps the driver's start
     from orchestrator.config.compose import split_preset
     from orchestrator.lifecycle.cli import run_launch
 

@@ -6,6 +6,7 @@ and every descendant, found through the process table (psutil), never by name.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -14,7 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional, TextIO
+from typing import Callable, Optional, Sequence, TextIO
 
 import psutil
 
@@ -91,15 +92,61 @@ def _running(proc: psutil.Process) -> bool:
         return False
 
 
+class WarmInterpreter:
+    """``python -m <warm_module>``, started before the command it will run is known: it imports what that
+    command needs meanwhile (see orchestrator/rendezvous/warm.py), then becomes ``python -m <module> ARGS``
+    once :meth:`become` writes the arguments and the environment to its stdin (a pipe only this process
+    holds). Closed unused, it exits quietly.
+
+    What a Python interpreter reads at its start cannot be handed over: the executable and ``PYTHON*``
+    variables (it starts with ``PYTHONUNBUFFERED=1``, as orch's agents do) and the loader's ``LD_*``. A command
+    that differs there does not :meth:`fit`. ``PYTHONPATH`` is the exception: the warm module has imported what
+    the command itself imports, and the processes it starts (torchrun's workers) get the command's value.
+    ``env``: added to its start environment. What it became is not in its command line (``orch chaos`` knows it
+    as a run's agent by its parent, the run's supervisor)."""
+
+    def __init__(self, warm_module: str, module: str, env: Optional[dict[str, str]] = None):
+        self.module = module
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", warm_module], env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True, text=True, bufsize=1,
+        )
+
+    def fits(self, argv: Sequence[str], env: dict[str, str]) -> bool:
+        """Whether ``argv`` run with ``env`` (the full environment) is what this interpreter can become."""
+        if self.proc.poll() is not None or list(argv[:3]) != [sys.executable, "-m", self.module]:
+            return False
+        startup = {k for k in (*self.env, *env) if k.startswith(("PYTHON", "LD_")) and k != "PYTHONPATH"}
+        return all(self.env.get(k) == env.get(k) for k in startup)
+
+    def become(self, argv: Sequence[str], env: dict[str, str]) -> subprocess.Popen:
+        """Run ``argv`` (which :meth:`fits`) with ``env`` in this interpreter; returns its process."""
+        self.proc.stdin.write(json.dumps({"args": list(argv[3:]), "env": env}) + "\n")
+        self.proc.stdin.close()
+        return self.proc
+
+    def close(self) -> None:
+        """End it if it was never used (it may be importing still)."""
+        if self.proc.stdin.closed:
+            return
+        self.proc.stdin.close()
+        kill_tree(self.proc.pid)
+        self.proc.wait()
+
+
 class NodeProcess:
-    """One torchrun agent: output goes, line by line, to ``log_path`` and to ``echo`` with a node prefix."""
+    """One torchrun agent: output goes, line by line, to ``log_path`` and to ``echo`` with a node prefix.
+    ``warm``: interpreters started ahead; one that fits the command becomes it (taken from the list)."""
 
     def __init__(self, node: int, argv: tuple[str, ...], env: dict[str, str], log_path: Path,
-                 echo: Optional[TextIO] = sys.stdout, on_line: Optional[Callable[[int, str], None]] = None):
+                 echo: Optional[TextIO] = sys.stdout, on_line: Optional[Callable[[int, str], None]] = None,
+                 warm: Optional[list[WarmInterpreter]] = None):
         self.node, self.log_path = node, log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            list(argv), env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        full_env = {**os.environ, **env}
+        self.proc = _from_warm(warm or [], argv, full_env) or subprocess.Popen(
+            list(argv), env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True, text=True, bufsize=1,
         )
         self._pump = threading.Thread(target=self._stream, args=(echo, on_line), daemon=True)
@@ -127,3 +174,43 @@ class NodeProcess:
         rc = self.proc.wait(timeout)
         self._pump.join(timeout=5)
         return rc
+
+
+def _from_warm(warm: list[WarmInterpreter], argv: Sequence[str], env: dict[str, str]) -> Optional[subprocess.Popen]:
+    """The first of ``warm`` that fits ``argv``, become it (and taken from the list); None if none can."""
+    for candidate in list(warm):
+        if candidate.fits(argv, env):
+            warm.remove(candidate)
+            try:
+                return candidate.become(argv, env)
+            except OSError:  # it died meanwhile: a fresh interpreter instead
+                candidate.close()
+                return None
+    return None
+
+
+def close_warm(warm: list[WarmInterpreter]) -> None:
+    """End the interpreters of ``warm`` that were not used (and empty it)."""
+    while warm:
+        warm.pop().close()
+
+
+_ahead: list[WarmInterpreter] = []
+
+
+def start_ahead(warm_module: str, module: str) -> None:
+    """Start an interpreter for ``module`` now, before anything says it will be used (``orch launch``'s first
+    moment: its imports then overlap the driver's composing, checking and planning). :func:`take_ahead` hands
+    it to what runs ``module``; one nobody took is ended when this process exits."""
+    if not _ahead:
+        import atexit
+
+        atexit.register(close_warm, _ahead)
+    _ahead.append(WarmInterpreter(warm_module, module))
+
+
+def take_ahead(module: str) -> list[WarmInterpreter]:
+    """The interpreters started ahead for ``module`` (each is handed out once)."""
+    taken = [w for w in _ahead if w.module == module]
+    _ahead[:] = [w for w in _ahead if w.module != module]
+    return taken

@@ -109,7 +109,10 @@ class Controller:
     # -- the states -------------------------------------------------------------------------------------------
 
     def _schedule(self, state: State) -> State:
-        nxt = self._handle_signal() or self._handle_updates()
+        # Agents are due to start: read what is there without waiting (the launch's first agent would otherwise
+        # start a whole poll later).
+        due = self.clock.monotonic() >= self._next_scale
+        nxt = self._handle_signal() or self._handle_updates(wait_s=0.0 if due else POLL_S)
         if nxt:
             return nxt
         decision = self._scale(grow=True)
@@ -182,8 +185,9 @@ class Controller:
         self.events.write(Interrupted(reason=f"orch got {signal.Signals(self.signal).name}"))
         return self._stop_all_then(finished(RunStatus.INTERRUPTED))
 
-    def _handle_updates(self) -> Optional[State]:
-        """Read what the workers said, then agent starts and exits; the next state if one calls for it."""
+    def _handle_updates(self, wait_s: float = POLL_S) -> Optional[State]:
+        """Read what the workers said, then agent starts and exits (waiting up to ``wait_s`` for one); the next
+        state if one calls for it."""
         self.view.update()
         for t in self.view.take_losses():
             self._note_loss(t)
@@ -195,7 +199,7 @@ class Controller:
             self.roster.clear()
             return failed(fatal)
         nxt: Optional[State] = None
-        for update in self.pool.poll(POLL_S):
+        for update in self.pool.poll(wait_s):
             if isinstance(update, AgentStarted):
                 self.fleet.started(update, self.attempt, STOP_GRACE_S)
             else:

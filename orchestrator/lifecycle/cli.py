@@ -20,6 +20,31 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cfg", choices=["job"], help="print the composed config as YAML and start nothing")
 
 
+def start_agent_ahead(tokens: Sequence[str]) -> None:
+    """Start a node agent's interpreter now if this launch most likely runs its nodes as local processes
+    (``launcher=local``, the last such override, else the preset file's own ``launcher:`` line): it imports
+    torch's elastic agent (~1 s) while the driver composes, checks and plans (~0.5 s), and the local launcher's
+    first node becomes it (:func:`orchestrator.processes.take_ahead`). A wrong guess costs an interpreter that
+    is ended unused, never a different launch: composing is what decides."""
+    import re
+    from pathlib import Path
+
+    launcher = next((t.split("=", 1)[1] for t in reversed(tokens) if t.startswith("launcher=")), None)
+    preset = next((t.split("=", 1)[1] for t in tokens if t.startswith("conf=")), "")
+    if launcher is None and re.fullmatch(r"[\w-]+", preset):
+        path = Path(__file__).resolve().parents[1] / "conf" / f"{preset}.yaml"
+        try:
+            found = re.search(r"^launcher:\s*(\w+)", path.read_text(), re.MULTILINE)
+        except OSError:
+            found = None
+        launcher = found.group(1) if found else None
+    if launcher == "local":
+        from orchestrator.processes import start_ahead
+        from orchestrator.rendezvous.warm import AGENT_MODULE, WARM_MODULE
+
+        start_ahead(WARM_MODULE, AGENT_MODULE)
+
+
 def run_launch(preset: str, overrides: Sequence[str], *, detach: bool = False, dry_run: bool = False,
                multirun: bool = False, cfg: str | None = None, command_t: float | None = None) -> int:
     """``orch launch`` (and ``orch resume``, with the recorded overrides): pick the mode and run it.

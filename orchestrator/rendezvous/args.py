@@ -7,6 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from orchestrator.config.schema import OrchConfig
+# What runs in torchrun's place when the store is gated, and the interpreter started ahead that becomes it (named
+# in the warm module, which the CLI imports before anything heavy).
+from orchestrator.rendezvous.warm import AGENT_MODULE, WARM_MODULE  # noqa: F401
 
 @dataclass(frozen=True)
 class AgentRendezvous:
@@ -40,9 +43,6 @@ def rendezvous_argv(endpoint: str, run_id: str, conf: str) -> tuple[str, ...]:
     )
 
 
-AGENT_MODULE = "orchestrator.rendezvous.agent"
-"""What runs in torchrun's place when the store is gated: torchrun behind relays and orch's rendezvous backend
-(:mod:`orchestrator.rendezvous.agent`)."""
 
 
 def agent_prefix(python: str, gated: bool) -> tuple[str, ...]:

@@ -14,14 +14,16 @@ from typing import Optional, TextIO
 
 from orchestrator.controller.api import AgentExit, AgentSpec, AgentStarted, AgentUpdate, ClusterNode
 from orchestrator.controller.pools import DEATH_SIGNAL
-from orchestrator.processes import NodeProcess, terminate_tree
+from orchestrator.processes import NodeProcess, WarmInterpreter, close_warm, terminate_tree
 
 
 class LocalNodePool:
     """Agents as child processes; their output goes to their log and, prefixed, to ``echo``."""
 
-    def __init__(self, slots: int, echo: Optional[TextIO], ip: str = "127.0.0.1"):
+    def __init__(self, slots: int, echo: Optional[TextIO], ip: str = "127.0.0.1",
+                 warm: Optional[list[WarmInterpreter]] = None):
         self.slots, self.echo, self.ip = slots, echo, ip
+        self.warm = warm if warm is not None else []  # agent interpreters started ahead, used first
         self._procs: dict[int, NodeProcess] = {}
         self._death_signals: dict[int, str] = {}
         self._updates: list[AgentUpdate] = []
@@ -41,7 +43,7 @@ class LocalNodePool:
 
         try:
             proc = NodeProcess(spec.node, self.argv(spec, node_id), spec.env, Path(spec.log_path), echo=self.echo,
-                               on_line=on_line)
+                               on_line=on_line, warm=self.warm)
         except OSError as exc:
             self._updates.append(AgentExit(spec.agent_id, spec.node, detail=f"{type(exc).__name__}: {exc}"))
             return
@@ -77,6 +79,7 @@ class LocalNodePool:
         return {agent_id: p.pid for agent_id, p in self._procs.items() if p.poll() is None}
 
     def close(self) -> None:
+        close_warm(self.warm)
         for proc in self._procs.values():
             if proc.poll() is None:
                 terminate_tree(proc.pid, grace_s=5.0)
