@@ -158,11 +158,12 @@ def cmd_bench_overhead(args: argparse.Namespace) -> int:
     if args.mode == "per_step":
         from orchestrator.bench.overhead_modes import main_modes_overhead
 
-        main_modes_overhead(out=args.out, repeats=args.repeats, steps=args.steps or 300, large_steps=args.large_steps)
+        main_modes_overhead(out=args.out, repeats=args.repeats or 8, steps=args.steps or 200,
+                            large_steps=args.large_steps)
         return 0
     from orchestrator.bench.overhead import main_overhead_bench
 
-    main_overhead_bench(out=args.out, repeats=args.repeats, steps=args.steps or 150, timing_steps=args.timing_steps)
+    main_overhead_bench(out=args.out, repeats=args.repeats or 4, steps=args.steps or 150, timing_steps=args.timing_steps)
     return 0
 
 
@@ -329,8 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench_scaling)
     p = bench.add_parser("overhead", help="orch vs a plain torchrun script of the same DDP job; per-step timing cost")
     p.add_argument("--out", help="write {throughput_ratio, first_step_ratio, ...} as JSON to this file")
-    p.add_argument("--steps", type=int, help="training steps per run (default 150; --mode per_step: 300)")
-    p.add_argument("--repeats", type=int, default=4, help="runs of each, alternating (default 4)")
+    p.add_argument("--steps", type=int, help="training steps per run (default 150; --mode per_step: 200)")
+    p.add_argument("--repeats", type=int,
+                   help="runs of each, alternating (default 4; --mode per_step: 8 of cpu_elastic, shorter: back-to-back "
+                        "runs of it differ by up to 25%% on a shared machine, and its pairs' median needs more of them)")
     p.add_argument("--timing-steps", type=int, default=300,
                    help="alternating steps with and without per-step timing (default 300)")
     p.add_argument("--mode", choices=("restart", "per_step"), default="restart",

@@ -55,3 +55,25 @@ def test_the_local_launchers_agent_interpreter_starts_before_the_launch_does(tmp
     worker = next(e for e in events if e["event"] == "worker_started")
     assert worker["agent_start_t"] < launched["t"], (worker["agent_start_t"], launched["t"])
     assert json.loads((run_dir / "summary.json").read_text())["steps_completed"] == 6
+
+
+def test_orch_chaos_knows_an_agent_from_a_warm_interpreter_by_its_parent_the_runs_supervisor(tmp_path):
+    """Its command line came on its stdin, so /proc shows only the warm module: it is the run's agent when its
+    parent is the supervisor launch.json names (PID and start time), and another run's otherwise."""
+    import os
+
+    from orchestrator.chaos import _agent_mismatch
+    from orchestrator.launch_record import supervisor
+    from orchestrator.rundir import LAUNCH_FILE
+
+    warm = WarmInterpreter(WARM_MODULE, AGENT_MODULE)
+    try:
+        record = tmp_path / LAUNCH_FILE
+        record.write_text(json.dumps({"run_id": "r1", "supervisor": supervisor()}))  # this test started it
+        assert _agent_mismatch(warm.proc.pid, str(tmp_path), "r1") is None
+        record.write_text(json.dumps({"run_id": "r1", "supervisor": {**supervisor(), "create_time": 1.0}}))
+        assert "another run" in _agent_mismatch(warm.proc.pid, str(tmp_path), "r1"), "a reused PID is not it"
+        record.write_text(json.dumps({"run_id": "r1", "supervisor": supervisor(os.getppid())}))
+        assert "another run" in _agent_mismatch(warm.proc.pid, str(tmp_path), "r1")
+    finally:
+        close_warm([warm])

@@ -120,7 +120,7 @@ def compare(job: Job, repeats: int, workdir: Path, echo: Callable[[str], None] =
             "final_loss": {m: rs[-1]["final_loss"] for m, rs in runs.items()}}
 
 
-def main_modes_overhead(out: Optional[str], repeats: int = 4, steps: int = 150, large_steps: int = 24,
+def main_modes_overhead(out: Optional[str], repeats: int = 8, steps: int = 200, large_steps: int = 24,
                         large_repeats: int = 3) -> dict[str, Any]:
     """The ``orch bench overhead --mode per_step`` command: both jobs, printed, and the JSON."""
     print(f"per_step vs restart, fault-free: cpu_elastic (2 simulated nodes, {steps} steps, {repeats} runs per mode) "
