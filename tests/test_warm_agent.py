@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import pytest
 
@@ -66,8 +67,13 @@ def test_orch_chaos_knows_an_agent_from_a_warm_interpreter_by_its_parent_the_run
     from orchestrator.launch_record import supervisor
     from orchestrator.rundir import LAUNCH_FILE
 
+    import psutil
+
     warm = WarmInterpreter(WARM_MODULE, AGENT_MODULE)
     try:
+        deadline = time.monotonic() + 30  # forked, not yet exec'd: /proc shows this process's command line
+        while WARM_MODULE not in psutil.Process(warm.proc.pid).cmdline() and time.monotonic() < deadline:
+            time.sleep(0.02)
         record = tmp_path / LAUNCH_FILE
         record.write_text(json.dumps({"run_id": "r1", "supervisor": supervisor()}))  # this test started it
         assert _agent_mismatch(warm.proc.pid, str(tmp_path), "r1") is None
