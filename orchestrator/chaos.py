@@ -19,11 +19,12 @@ from typing import Any, Optional
 from orchestrator.errors import UserError
 from orchestrator.events import ChaosKill, ChaosPreempt
 from orchestrator.preemption.notices import deliver_notice
+# What the controller runs in torchrun's place when the store is gated, and the same in an interpreter the launch
+# started ahead (its child).
+from orchestrator.rendezvous.warm import AGENT_MODULE as TUNNEL_MODULE, WARM_MODULE
 from orchestrator.rundir import NODES_FILE, EventLog, EventName, latest_launch
 
 AGENT_MODULE = "torch.distributed.run"
-TUNNEL_MODULE = "orchestrator.rendezvous.agent"  # what the controller runs in torchrun's place when the store is gated
-WARM_MODULE = "orchestrator.rendezvous.warm"  # the same, in an interpreter the launch started ahead (its child)
 
 
 def node_pids(run_dir: str) -> dict[int, int]:

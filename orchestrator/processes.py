@@ -102,12 +102,12 @@ class WarmInterpreter:
     variables (it starts with ``PYTHONUNBUFFERED=1``, as orch's agents do) and the loader's ``LD_*``. A command
     that differs there does not :meth:`fit`. ``PYTHONPATH`` is the exception: the warm module has imported what
     the command itself imports, and the processes it starts (torchrun's workers) get the command's value.
-    ``env``: added to its start environment. What it became is not in its command line (``orch chaos`` knows it
-    as a run's agent by its parent, the run's supervisor)."""
+    What it became is not in its command line (``orch chaos`` knows it as a run's agent by its parent, the
+    run's supervisor)."""
 
-    def __init__(self, warm_module: str, module: str, env: Optional[dict[str, str]] = None):
+    def __init__(self, warm_module: str, module: str):
         self.module = module
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", warm_module], env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True, text=True, bufsize=1,
